@@ -1,0 +1,25 @@
+"""Shared test set-up: one torch thread per process, and the multi-rank pools closed at the end."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness, references
+
+import harness  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    harness.close_pools()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; run benchmarks/gpu_suite.sh on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,12 @@
+"""zero_ext: a ZeRO (Zero Redundancy Optimizer) engine for PyTorch with DeepSpeed's API and config.
+
+    import zero_ext as deepspeed
+    deepspeed.init_distributed()
+
+`import zero_ext` needs neither CUDA nor NCCL: the CUDA library is loaded only when CUDA tensors are used.
+"""
+from .comm import init_distributed
+
+__version__ = "0.1.0"
+
+__all__ = ["init_distributed", "__version__"]

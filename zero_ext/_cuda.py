@@ -1,0 +1,61 @@
+"""The CUDA library (libzx_cuda.so: NCCL collectives, CUDA kernels), loaded on first use only.
+
+It is a plain C library (csrc/cuda_api.h), not a Python extension, loaded with ctypes: `import zero_ext`
+never touches CUDA or NCCL, and one build serves any Python and torch on the GPU machine. ctypes
+releases the GIL around every call.
+"""
+import ctypes
+import functools
+import os
+
+from .dtypes import zx_dtype  # noqa: F401  (re-exported for callers passing dtypes)
+
+LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libzx_cuda.so")
+NCCL_ID_BYTES = 128
+
+_c_int, _c_size, _vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
+_SIGNATURES = {
+    "zx_cuda_error_string": ([_c_int], ctypes.c_char_p),
+    "zx_nccl_unique_id": ([ctypes.c_char_p], _c_int),
+    "zx_nccl_comm_init": ([ctypes.POINTER(_vp), _c_int, _c_int, ctypes.c_char_p], _c_int),
+    "zx_nccl_comm_destroy": ([_vp], _c_int),
+    "zx_nccl_comm_abort": ([_vp], _c_int),
+    "zx_nccl_all_gather": ([_vp, _vp, _vp, _c_size, _c_int, _vp], _c_int),
+    "zx_nccl_reduce_scatter": ([_vp, _vp, _vp, _c_size, _c_int, _c_int, _vp], _c_int),
+    "zx_nccl_all_reduce": ([_vp, _vp, _vp, _c_size, _c_int, _c_int, _vp], _c_int),
+    "zx_nccl_broadcast": ([_vp, _vp, _vp, _c_size, _c_int, _c_int, _vp], _c_int),
+    "zx_nccl_group_start": ([], _c_int),
+    "zx_nccl_group_end": ([], _c_int),
+    "zx_cuda_cast": ([_vp, _c_int, _vp, _c_int, _c_size, _vp], _c_int),
+}
+
+
+class CudaLibraryError(RuntimeError):
+    """A call into libzx_cuda.so failed; the message carries NCCL's or CUDA's own error text."""
+
+
+def available() -> bool:
+    """Whether this install has the CUDA library (built where nvcc and NCCL were found)."""
+    return os.path.exists(LIBRARY)
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The loaded library, with argument types declared; raises ImportError when it was not built."""
+    if not available():
+        raise ImportError(
+            "zero_ext was built without its CUDA library (libzx_cuda.so): nvcc or NCCL was not found at "
+            "build time, or ZERO_EXT_CUDA=0 was set. Rebuild with ZERO_EXT_CUDA=1 pip install . to see "
+            "what is missing.")
+    lib = ctypes.CDLL(LIBRARY)
+    for name, (args, res) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+def check(status: int, what: str) -> None:
+    """Raises CudaLibraryError for a non-zero status returned by the library."""
+    if status != 0:
+        text = library().zx_cuda_error_string(status).decode()
+        raise CudaLibraryError(f"{what} failed: {text} (status {status})")

@@ -1,0 +1,144 @@
+"""Process groups: ``init_distributed`` (DeepSpeed's signature) over torch.distributed.
+
+The distributed engine is torch.distributed, never a home-made one: gloo on CPU, and with CUDA the
+backend ``cpu:gloo,cuda:nccl`` (offloaded host tensors need CPU collectives too).
+"""
+import datetime
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("zero_ext.comm")
+
+# DeepSpeed's default collective timeout since 0.19.6 (was 30 minutes): a dead rank must not hang the
+# others for long. DEEPSPEED_TIMEOUT (minutes) overrides it, and so does the `timeout` argument.
+DEFAULT_TIMEOUT_MINUTES = 10
+# Open MPI and MPICH/Intel MPI spell rank, size and local rank differently.
+MPI_VARIABLES = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+)
+
+
+def default_timeout() -> datetime.timedelta:
+    """The collective timeout: DEEPSPEED_TIMEOUT minutes if set, else 10 minutes."""
+    raw = os.environ.get("DEEPSPEED_TIMEOUT")
+    if raw is None or raw == "":
+        return datetime.timedelta(minutes=DEFAULT_TIMEOUT_MINUTES)
+    try:
+        minutes = float(raw)
+    except ValueError:
+        raise ValueError(f"DEEPSPEED_TIMEOUT={raw!r} is not a number of minutes; unset it or write e.g. 10") from None
+    if minutes <= 0:
+        raise ValueError(f"DEEPSPEED_TIMEOUT={raw!r} must be a positive number of minutes")
+    return datetime.timedelta(minutes=minutes)
+
+
+def default_backend() -> str:
+    """gloo without CUDA; ``cpu:gloo,cuda:nccl`` with it."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def _discover_mpi(distributed_port: int, verbose: bool) -> bool:
+    """Sets torchrun's variables from an MPI launcher's, as DeepSpeed's auto_mpi_discovery does.
+
+    MASTER_ADDR cannot be learned without an MPI library (DeepSpeed broadcasts rank 0's hostname with
+    mpi4py); here it must be given, and its absence is an error that says so.
+    """
+    for rank_var, size_var, local_var in MPI_VARIABLES:
+        if rank_var in os.environ and size_var in os.environ:
+            break
+    else:
+        return False
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            f"init_distributed: found an MPI launch ({rank_var}={os.environ[rank_var]}) but no MASTER_ADDR; "
+            "zero_ext does not query MPI for rank 0's address. Export MASTER_ADDR (rank 0's host name) "
+            "and MASTER_PORT, or launch with torchrun.")
+    os.environ["RANK"] = os.environ[rank_var]
+    os.environ["WORLD_SIZE"] = os.environ[size_var]
+    os.environ.setdefault("LOCAL_RANK", os.environ.get(local_var, "0"))
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    if verbose:
+        logger.info("init_distributed: MPI discovery: rank %s of %s", os.environ["RANK"], os.environ["WORLD_SIZE"])
+    return True
+
+
+def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int = 29500, verbose: bool = True,
+                     timeout: Optional[datetime.timedelta] = None, init_method: Optional[str] = None,
+                     dist_init_required: Optional[bool] = None, config=None, rank: int = -1,
+                     world_size: int = -1) -> None:
+    """Initialise torch.distributed the way DeepSpeed does.
+
+    - Already initialised: nothing to do (``dist_init_required=False`` also skips initialisation).
+    - torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK) set, or ``rank`` and
+      ``world_size`` given: env:// initialisation (``init_method`` overrides env://).
+    - An MPI launch (Open MPI / MPICH variables) with ``auto_mpi_discovery``: its rank and size are used;
+      MASTER_ADDR must be exported (see _discover_mpi).
+    - Nothing set: a single-process group (world size 1) on an in-memory store, so scripts and notebooks
+      run unchanged on one process without picking a port.
+
+    The backend defaults to gloo, or ``cpu:gloo,cuda:nccl`` when CUDA is present; the collective timeout
+    to 10 minutes (``DEEPSPEED_TIMEOUT`` in minutes, or ``timeout``). ``config`` is accepted for
+    DeepSpeed compatibility (it configures DeepSpeed's comms logger, which zero_ext does not have).
+    """
+    if dist.is_initialized():
+        if verbose:
+            logger.debug("init_distributed: torch.distributed is already initialised; nothing to do")
+        return
+    if dist_init_required is False:
+        return
+    backend = dist_backend or default_backend()
+    timeout = timeout if timeout is not None else default_timeout()
+    if rank >= 0 and world_size < 1 or world_size >= 1 and rank < 0:
+        raise ValueError(f"init_distributed: give both rank and world_size, or neither (got rank={rank}, "
+                         f"world_size={world_size})")
+    if rank >= 0 and rank >= world_size:
+        raise ValueError(f"init_distributed: rank {rank} is out of range for world_size {world_size}")
+    launched = rank >= 0 or ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or (
+        auto_mpi_discovery and _discover_mpi(distributed_port, verbose))
+    if not launched and init_method is None:
+        return _init_single_process(backend, timeout, verbose)
+    if init_method is None:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        init_method = "env://"
+    kwargs = dict(backend=backend, init_method=init_method, timeout=timeout)
+    if rank >= 0:
+        kwargs.update(rank=rank, world_size=world_size)
+    if "cuda" in backend and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(**kwargs)
+    if verbose:
+        logger.info("init_distributed: rank %d of %d, backend %s, timeout %s", dist.get_rank(),
+                    dist.get_world_size(), backend, timeout)
+
+
+def _init_single_process(backend: str, timeout: datetime.timedelta, verbose: bool) -> None:
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if "cuda" in backend:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if verbose:
+        logger.info("init_distributed: no launcher variables found; single-process group (world size 1, %s)",
+                    backend)
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
