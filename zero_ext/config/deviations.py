@@ -1,0 +1,108 @@
+"""Every place where zero_ext's config handling knowingly differs from DeepSpeed 0.19.x, and why.
+
+Plain data, rendered into docs/config.md by :mod:`.docgen`. Each entry:
+(topic, what DeepSpeed does, what zero_ext does, why).
+"""
+
+DEVIATIONS = [
+    ("Unknown keys",
+     "Ignores unknown top-level keys and unknown aio keys; pydantic sections fail with a raw "
+     "ValidationError.",
+     "Every unknown key is an error naming its path and the closest valid key of that section "
+     "(names and aliases), or the section where it belongs.",
+     "A misspelt key silently keeps a default; that is the commonest config bug."),
+    ("Sections of other DeepSpeed subsystems",
+     "Used (monitors, profiler, pipeline, elasticity, compression, ...).",
+     "Monitoring/tooling sections are accepted with one warning and ignored (kept in "
+     "cfg.ignored_sections); feature sections (elasticity, amp, compile, ...) are accepted and "
+     "refused by the engine when switched on.",
+     "Real-world files must load unchanged; what would change training is never dropped "
+     "silently."),
+    ("offload_param with stage 0/1/2",
+     "Silently ignored.",
+     'Error when device is not "none".',
+     "A no-op the user did not ask for."),
+    ("NVMe optimizer offload with stage 1/2; optimizer offload with stage 0",
+     "Stage 1/2 silently fall back to CPU offload; stage 0 ignores it.",
+     "Error.",
+     "The user asked for NVMe (or offload) and would not get it."),
+    ("offload_optimizer.ratio < 1 without an offload device; super_offload without stage 3",
+     "No effect / not checked in the config.",
+     "Error.",
+     "No silent no-ops."),
+    ("elastic_checkpoint with stage 3",
+     "Warning; saving later fails.",
+     "Error pointing to universal checkpoints (checkpoint.load_universal).",
+     "Fail at load, not at the first checkpoint."),
+    ("Checks DeepSpeed makes only in initialize",
+     "pipeline_loading_checkpoint needs stage 3, legacy_stage1 is refused, allgather_bucket_size "
+     "must be even (stages 1-2), reduce-scatter (stages 2-3) forbids gradient_predivide_factor "
+     "!= 1 and prescale_gradients, 1-bit optimizers refuse ZeRO: assertions in initialize.",
+     "The same conditions are errors at load, naming the keys.",
+     "Earlier and clearer; same accepted configs."),
+    ("cpu_offload_use_pin_memory",
+     "Deprecation warning; the value is otherwise ignored.",
+     "Deprecation warning, and the value is applied as pin_memory of the offload sections "
+     "(an explicit, different pin_memory is an error).",
+     "The issue asks deprecated keys to map to their replacements; dropping the user's choice "
+     "would be silent."),
+    ("Deprecated switch set to false next to its replacement",
+     "cpu_offload/cpu_offload_param given at all together with offload_optimizer/offload_param "
+     "is an assertion error.",
+     "false is dropped with a deprecation warning; only true together with the replacement is "
+     "an error.",
+     "false asks for nothing, so there is no conflict."),
+    ("Stage-3-only keys at stage < 3",
+     "Silently unused.",
+     "One warning naming them.",
+     "Usually a mistake (the stage was lowered and the keys stayed)."),
+    ("zero_optimization.grad_hooks",
+     "Documented in config-json.md, but not a field of the code: the key is rejected.",
+     "Accepted (default true); false is refused at initialize until implemented.",
+     "Accept the documented spelling instead of failing on it."),
+    ("aio.thread_count",
+     "Documented in config-json.md but not read by the code.",
+     "Accepted as an alias of intra_op_parallelism.",
+     "Accept the documented spelling instead of dropping it."),
+    ('"auto" values',
+     'Dropped (default used) only inside pydantic sections; a top-level "auto" (batch sizes, '
+     "gradient_clipping) reaches DeepSpeed as a string unless HF Trainer/Accelerate filled it.",
+     '"auto" means the default everywhere; the batch sizes are derived from the others '
+     "(micro batch 1 when nothing fixes it, as HF Accelerate substitutes). Resolutions are "
+     "logged once and kept in cfg.auto_resolved.",
+     "HF-style files load without HF's preprocessing."),
+    ("Numbers",
+     "pydantic's lax mode takes true as 1 for numbers; scheduler warmup_num_steps must be a "
+     "Python int.",
+     "Booleans are refused for numeric keys; integral floats such as 5e8 or 1e3 are accepted "
+     "for every integer key.",
+     "A boolean size is always a mistake; 5e8 is how DeepSpeed users write sizes."),
+    ("Batch arithmetic",
+     "Derives with floor division, then asserts train == micro * gas * world_size.",
+     "Same rules; a non-divisible input is reported with the division that failed, and "
+     "impossible triples are reported before the world size is known.",
+     "Messages show the numbers that do not fit."),
+    ("File format",
+     "Reads files with hjson (comments, trailing commas).",
+     "Strict JSON (standard library), duplicate keys rejected as in DeepSpeed.",
+     "No extra dependency; JSON is what DeepSpeed documents."),
+    ("A key given twice (name and alias, e.g. bf16 and bfloat16)",
+     "One silently wins (bf16 over bfloat16; pydantic keeps one of name/alias).",
+     "Error.",
+     "Two values for one setting is ambiguous."),
+    ("fp16.hysteresis, fp16.initial_scale_power, module_granularity_threshold",
+     "Unchecked integers.",
+     "hysteresis >= 1, initial_scale_power >= 0, module_granularity_threshold >= 0.",
+     "Other values break the loss scaler or are meaningless."),
+    ("Optimizer and scheduler params",
+     "Passed as keyword arguments; a wrong key is a TypeError inside initialize; an unknown "
+     "warmup_type falls back to log with a warning.",
+     "Adam/AdamW params and the params of DeepSpeed's five schedulers are checked at load "
+     "(unknown keys with suggestions, ranges, required keys, torch-only Adam arguments); "
+     "unknown optimizer/scheduler types are errors at load.",
+     "Errors at load, naming the key."),
+    ("legacy allgather_size without the legacy boolean zero_optimization",
+     "Silently unused.",
+     "Error pointing to zero_optimization.allgather_bucket_size.",
+     "No silent no-ops."),
+]
