@@ -2,11 +2,16 @@
 
     import zero_ext as deepspeed
     deepspeed.init_distributed()
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=ds_config)
 
 `import zero_ext` needs neither CUDA nor NCCL: the CUDA library is loaded only when CUDA tensors are used.
 """
 from .comm import init_distributed
+from .engine import ZeroEngine
+from .initialize import initialize
+
+DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 
 __version__ = "0.1.0"
 
-__all__ = ["init_distributed", "__version__"]
+__all__ = ["init_distributed", "initialize", "ZeroEngine", "DeepSpeedEngine", "__version__"]

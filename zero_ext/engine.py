@@ -1,0 +1,206 @@
+"""The training engine: DeepSpeed's ``DeepSpeedEngine`` surface over ZeRO stages 0-2.
+
+    engine, optimizer, loader, scheduler = zero_ext.initialize(model=model, config=cfg)
+    loss = engine(batch); engine.backward(loss); engine.step()
+
+The engine wraps the user's module (``engine.module``; unknown attributes are forwarded to it), owns
+the ZeRO optimizer (zero_optimizer.py) and counts steps. ``step()`` updates only at the accumulation
+boundary, every ``gradient_accumulation_steps`` micro steps.
+"""
+import logging
+import warnings
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .flat_group import FlatGroup
+from .grad_reduce import BoundaryReducer, BucketReducer
+from .memory import MemoryAccount
+from .zero_optimizer import ZeroOptimizer
+
+logger = logging.getLogger("zero_ext.engine")
+
+
+class ZeroEngine(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, config, base_optimizer: torch.optim.Optimizer,
+                 lr_scheduler=None, training_dataloader=None, device: Optional[torch.device] = None):
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.device = device or torch.device("cpu")
+        self.global_rank, self.world_size = comm.get_rank(), comm.get_world_size()
+        self.dp_world_size = self.world_size
+        self.local_rank = comm.get_local_rank()
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._backward_since_step = False
+        self._boundary_override: Optional[bool] = None
+        self.training_dataloader = training_dataloader
+        self.optimizer = self._build_zero_optimizer(base_optimizer)
+        self.lr_scheduler = lr_scheduler
+
+    # -- construction ---------------------------------------------------------------------------------
+
+    def _build_zero_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
+        zc = self._config.zero_optimization
+        stage = zc.stage
+        groups: List[Optional[FlatGroup]] = []
+        for group in base.param_groups:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            if not trainable:
+                groups.append(None)
+                group["params"] = []
+                continue
+            g = FlatGroup(trainable, self.world_size, self.global_rank, partitioned=stage >= 1,
+                          keep_lp_grads=stage < 2, device=self.device)
+            group["params"] = [g.master]
+            groups.append(g)
+        flat = [g for g in groups if g is not None]
+        if stage == 2:
+            reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
+                                    self.global_rank, self.world_size, zc.ignore_unused_parameters)
+        else:
+            reducer = BoundaryReducer(flat, zc.reduce_bucket_size)
+        return ZeroOptimizer(base, groups, reducer, stage, self._config.gradient_clipping,
+                             zc.allgather_bucket_size, self.global_rank, self.world_size)
+
+    # -- nn.Module --------------------------------------------------------------------------------------
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(f"'{type(self).__name__}' object (nor its module "
+                                     f"'{type(module).__name__}') has no attribute '{name}'") from None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """Backpropagates ``loss`` divided by the accumulation steps; returns the scaled loss."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise TypeError(f"engine.backward expects the scalar loss tensor, got "
+                            f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
+        if loss.grad_fn is None:
+            raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
+                               "torch.no_grad(), or from frozen parameters only?)")
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            loss = loss / gas
+        loss.backward(retain_graph=retain_graph)
+        self._backward_since_step = True
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._boundary_override = is_boundary
+
+    def step(self, lr_kwargs=None) -> None:
+        """One micro step; at the accumulation boundary also the optimizer step."""
+        if not self._backward_since_step:
+            warnings.warn("engine.step() was called before engine.backward() in this micro step: "
+                          "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=2)
+            self._step_applied = False
+            return
+        self._backward_since_step = False
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.step()
+            self._step_applied = True
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drops the gradients accumulated since the last step."""
+        self.optimizer.zero_grad()
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> Optional[float]:
+        return self.optimizer.global_grad_norm
+
+    def get_lr(self) -> List[float]:
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]
+
+    def get_mom(self) -> List:
+        return [g.get("betas", g.get("momentum", 0.0)) for g in self.optimizer.param_groups]
+
+    # -- config accessors -------------------------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def get_batch_info(self):
+        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self._config.zero_optimization.stage > 0
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.bf16.enabled
+
+    def fp16_enabled(self) -> bool:
+        return self._config.fp16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    @property
+    def config(self):
+        return self._config
+
+    # -- memory -----------------------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> Dict[str, Dict[str, int]]:
+        """Bytes this rank holds, by kind and tier (see docs/memory.md for the formulas).
+
+        Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
+        model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
+        comm_buffers, buffers (the module's buffers). Tiers: accelerator (the compute device), host,
+        nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
+        view of the parameters adds nothing.
+        """
+        account = MemoryAccount(self.device)
+        for kind, tensor in self.optimizer.tensors():
+            account.add(kind, tensor)
+        for p in self.module.parameters():
+            account.add("params", p.data)
+            if p.grad is not None:
+                account.add("grads", p.grad)
+        for b in self.module.buffers():
+            account.add("buffers", b)
+        return account.table()
+
+    def destroy(self) -> None:
+        """Removes the hooks the engine installed (stage 2)."""
+        remove = getattr(self.optimizer.reducer, "remove_hooks", None)
+        if remove:
+            remove()

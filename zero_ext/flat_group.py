@@ -1,0 +1,89 @@
+"""One optimizer param group, flattened: the tensors ZeRO stages 0-2 keep for it on this rank.
+
+[Note: flat group tensors]
+- ``flat``: every trainable parameter of the group laid end to end in the model's dtype, padded to the
+  planner's layout (csrc/partition.c); each parameter's ``.data`` is a view of it, so the model computes
+  on it unchanged and one all-gather refreshes all of it after a step.
+- ``master``: this rank's fp32 partition ``[lo, hi)`` of ``flat``, the tensor the optimizer updates.
+  When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
+  the parameters directly, and fp32 training holds no second copy of its partition.
+- ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
+- ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
+  parameters' ``.grad``, so autograd accumulates straight into it and the reduction at the
+  accumulation boundary works on one contiguous tensor.
+Stage 0 replicates: every rank "owns" the whole buffer (``lo, hi = 0, padded``).
+"""
+from typing import List
+
+import torch
+
+from . import planner
+
+
+class FlatGroup:
+    def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int, partitioned: bool,
+                 keep_lp_grads: bool, device: torch.device):
+        self.params = params
+        self.numels = [p.numel() for p in params]
+        self.world, self.rank, self.partitioned = world, rank, partitioned
+        layout_world = world if partitioned else 1
+        self.padded, self.offsets = planner.flat_layout(self.numels, layout_world)
+        self.part = self.padded // layout_world
+        self.lo = rank * self.part if partitioned else 0
+        self.hi = self.lo + self.part
+        self.dtype = params[0].dtype
+        # the fragments of each parameter inside this rank's partition: (param, param_offset, part_offset, length)
+        self.fragments = planner.flat_fragments(self.numels, layout_world, rank if partitioned else 0)
+
+        self.flat = torch.zeros(self.padded, dtype=self.dtype, device=device)
+        for p, off, n in zip(params, self.offsets, self.numels):
+            self.flat[off:off + n].copy_(p.data.reshape(-1))
+            p.data = self.flat[off:off + n].view(p.shape)
+        fp32 = self.dtype == torch.float32
+        self.master = self.flat[self.lo:self.hi] if fp32 else self.flat[self.lo:self.hi].float()
+        self.lp_grad = None
+        if keep_lp_grads:
+            self.lp_grad = torch.zeros(self.padded, dtype=self.dtype, device=device)
+            self.attach_lp_grads()
+        # fp32 models reduce straight into their own gradient buffer's partition: no second copy
+        if keep_lp_grads and fp32:
+            self.grad = self.lp_grad[self.lo:self.hi]
+        else:
+            self.grad = torch.zeros(self.part, dtype=torch.float32, device=device)
+        self.master.grad = self.grad
+
+    def attach_lp_grads(self) -> None:
+        """Points every parameter's ``.grad`` at its slice of ``lp_grad`` (autograd adds in place)."""
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            p.grad = self.lp_grad[off:off + n].view(p.shape)
+
+    def collect_lp_grads(self) -> None:
+        """Brings gradients that left ``lp_grad`` back into it: a user's ``model.zero_grad()`` sets
+        ``.grad`` to None, after which autograd allocates fresh tensors."""
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            slot = self.lp_grad[off:off + n]
+            if p.grad is None:
+                slot.zero_()
+            elif p.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(p.grad.reshape(-1))
+        self.attach_lp_grads()
+
+    def param_index(self) -> dict:
+        return {id(p): i for i, p in enumerate(self.params)}
+
+    def copy_master_to_params(self) -> None:
+        """Writes the updated fp32 partition into the model's dtype (a no-op when they are one tensor)."""
+        if self.master.data_ptr() != self.flat[self.lo:self.hi].data_ptr():
+            self.flat[self.lo:self.hi].copy_(self.master)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Sum of squares of this rank's fp32 gradient partition (padding is zero), in fp64."""
+        return self.grad.double().pow(2).sum()
+
+    def tensors(self):
+        """(kind, tensor) of every tensor this group holds, for memory accounting."""
+        out = [("params", self.flat)]
+        if self.lp_grad is not None:
+            out.append(("grads", self.lp_grad))
+        # listed after what they may alias (fp32 models): an alias adds no bytes
+        return out + [("fp32_master", self.master), ("fp32_grads", self.grad)]

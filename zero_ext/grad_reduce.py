@@ -1,0 +1,220 @@
+"""Gradient reduction for ZeRO stages 0-2: averaged gradients land in each owner's fp32 partition.
+
+- Stages 0 and 1 (``BoundaryReducer``): autograd accumulates into each group's flat ``lp_grad``; at the
+  accumulation boundary one pass reduces it in ``reduce_bucket_size`` chunks — all-reduce for stage 0,
+  reduce-scatter for stage 1 (NCCL; on gloo, which has no reduce-scatter in every torch we support, an
+  all-reduce of which each rank keeps its partition: twice the traffic, the same numbers).
+- Stage 2 (``BucketReducer``): gradients are reduced during backward, bucket by bucket, as they become
+  ready. A bucket filled in ready order is not split evenly by rank, so it is copied owner-major (the
+  runs each rank owns, back to back, planned by csrc/partition.c) and each owner's region is reduced
+  to that owner alone (``dist.reduce``): every element crosses the network once, to the one rank that
+  needs it. With ``overlap_comm`` the reductions are asynchronous and two bucket buffers alternate;
+  they are waited on at the end of backward. The parameters' ``.grad`` is freed as soon as its bucket
+  is copied, so after backward a rank holds only its fp32 partition plus the buckets.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import planner
+from .flat_group import FlatGroup
+
+
+def _chunks(n: int, size: int):
+    size = max(1, size)
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
+
+
+class BoundaryReducer:
+    """Stages 0 and 1: reduce the accumulated flat gradients once per optimizer step."""
+
+    def __init__(self, groups: List[FlatGroup], bucket_size: int, process_group=None):
+        self.groups, self.bucket_size, self.pg = groups, bucket_size, process_group
+
+    def reduce(self, world: int) -> None:
+        for g in self.groups:
+            g.collect_lp_grads()
+            if world > 1:
+                if g.partitioned and g.lp_grad.is_cuda:
+                    self._reduce_scatter(g)
+                else:
+                    for a, b in _chunks(g.padded, self.bucket_size):
+                        dist.all_reduce(g.lp_grad[a:b], group=self.pg)
+            if g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
+                g.grad.copy_(g.lp_grad[g.lo:g.hi])
+            if world > 1:
+                g.grad.div_(world)
+
+    def _reduce_scatter(self, g: FlatGroup) -> None:
+        chunk = max(1, self.bucket_size // g.world)
+        for a, b in _chunks(g.part, chunk):
+            inputs = [g.lp_grad[r * g.part + a:r * g.part + b] for r in range(g.world)]
+            dist.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            g.lp_grad.zero_()
+            if g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
+                g.grad.zero_()
+
+    def tensors(self):
+        return []
+
+
+class _Bucket:
+    """Parameters whose gradients wait in one bucket: (group index, param index) in ready order."""
+
+    def __init__(self):
+        self.members: List[Tuple[int, int]] = []
+        self.numel = 0
+
+
+class BucketReducer:
+    """Stage 2: reduce gradients to their owners during backward (see the module docstring)."""
+
+    def __init__(self, groups: List[FlatGroup], bucket_size: int, overlap: bool, contiguous: bool, rank: int,
+                 world: int, ignore_unused: bool, process_group=None):
+        self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        self.overlap, self.contiguous, self.ignore_unused = overlap, contiguous, ignore_unused
+        numels = [n for g in groups for n in g.numels]
+        self.bucket_size = max(1, bucket_size)
+        # a buffer never needs more than every gradient, nor less than the largest one
+        self.buffer_numel = min(max(self.bucket_size, max(numels)), sum(numels))
+        self.dtype = groups[0].dtype
+        self.device = groups[0].flat.device
+        self.buffers: List[torch.Tensor] = []
+        self.next_buffer = 0
+        self.pending: List[tuple] = []  # (handles, buffer, bucket view, (my region start, my runs))
+        # for each parameter, the runs each rank owns: (rank, param_offset, part_offset, length)
+        self.runs: Dict[Tuple[int, int], List[Tuple[int, int, int, int]]] = {}
+        for gi, g in enumerate(groups):
+            for i in range(len(g.params)):
+                pieces = planner.flat_bucket_pieces(g.numels, world, [i])
+                self.runs[(gi, i)] = [(p.rank, p.param_offset, p.part_offset, p.length) for p in pieces]
+        self.bucket = _Bucket()
+        self.seen = set()
+        self.callback_queued = False
+        self.handles = []
+        for gi, g in enumerate(groups):
+            for i, p in enumerate(g.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(gi, i)))
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def _hook(self, gi: int, i: int):
+        def on_grad_ready(param: torch.Tensor) -> None:
+            if not self.callback_queued:
+                # runs once when this backward pass ends, whoever called .backward()
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+                self.callback_queued = True
+            n = self.groups[gi].numels[i]
+            if self.bucket.members and self.bucket.numel + n > self.bucket_size:
+                self.flush()
+            self.bucket.members.append((gi, i))
+            self.bucket.numel += n
+            self.seen.add((gi, i))
+        return on_grad_ready
+
+    def finish_backward(self) -> None:
+        self.flush()
+        self.wait_all()
+        self.callback_queued = False
+        unused = [(gi, i) for gi, g in enumerate(self.groups) for i in range(len(g.params))
+                  if (gi, i) not in self.seen]
+        self.seen = set()
+        if unused and not self.ignore_unused:
+            raise RuntimeError(
+                f"{len(unused)} trainable parameter(s) received no gradient in this backward pass (first: "
+                f"group {unused[0][0]}, parameter {unused[0][1]}). Set zero_optimization."
+                "ignore_unused_parameters to true to allow parameters unused in a step.")
+
+    def _buffer(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer, its first numel elements) for the next bucket."""
+        if not self.contiguous:
+            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            return buf, buf
+        count = 2 if self.overlap else 1
+        if not self.buffers:
+            self.buffers = [torch.empty(self.buffer_numel, dtype=self.dtype, device=self.device)
+                            for _ in range(count)]
+        buf = self.buffers[self.next_buffer]
+        self.next_buffer = (self.next_buffer + 1) % count
+        # the reductions still reading this buffer must end before it is refilled
+        for entry in [e for e in self.pending if e[1] is buf]:
+            self._complete(entry)
+        return buf, buf[:numel]
+
+    def flush(self) -> None:
+        members, numel = self.bucket.members, self.bucket.numel
+        if not members:
+            return
+        self.bucket = _Bucket()
+        # owner-major layout: each rank's runs back to back, ranks in order
+        by_owner: List[List[Tuple[int, int, int, int, int]]] = [[] for _ in range(self.world)]
+        for gi, i in members:
+            for owner, poff, partoff, length in self.runs[(gi, i)]:
+                by_owner[owner].append((gi, i, poff, partoff, length))
+        base, buf = self._buffer(numel)
+        regions, pos = [], 0
+        for owner, runs in enumerate(by_owner):
+            start = pos
+            for gi, i, poff, _, length in runs:
+                grad = self.groups[gi].params[i].grad
+                buf[pos:pos + length].copy_(grad.reshape(-1)[poff:poff + length])
+                pos += length
+            regions.append((start, pos))
+        for gi, i in members:
+            self.groups[gi].params[i].grad = None  # copied: free it now
+        handles = []
+        if self.world > 1:
+            for owner, (a, b) in enumerate(regions):
+                if b > a:
+                    handles.append(dist.reduce(buf[a:b], dst=owner, group=self.pg, async_op=self.overlap))
+        a, _ = regions[self.rank]
+        mine = [(gi, partoff, length) for gi, _, _, partoff, length in by_owner[self.rank]]
+        entry = (handles, base, buf, (a, mine))
+        if self.overlap:
+            self.pending.append(entry)
+        else:
+            self._complete(entry)
+
+    def _complete(self, entry) -> None:
+        handles, _, buf, (pos, mine) = entry
+        for h in handles:
+            if h is not None:
+                h.wait()
+        scale = 1.0 / self.world
+        for gi, partoff, length in mine:
+            dst = self.groups[gi].grad[partoff:partoff + length]
+            src = buf[pos:pos + length]
+            if self.world > 1:
+                dst.add_(src.float(), alpha=scale)
+            else:
+                dst.add_(src)
+            pos += length
+        self.pending = [e for e in self.pending if e is not entry]
+
+    def wait_all(self) -> None:
+        while self.pending:
+            self._complete(self.pending[0])
+
+    # -- step ---------------------------------------------------------------------------------------
+
+    def reduce(self, world: int) -> None:
+        """Gradients were reduced during backward; only pending work remains."""
+        self.flush()
+        self.wait_all()
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+
+    def tensors(self):
+        return [("comm_buffers", b) for b in self.buffers]
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,163 @@
+"""``zero_ext.initialize``: DeepSpeed's entry point, checks first, then the engine."""
+import logging
+import os
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import ConfigError, load_config, reject_unimplemented
+from .engine import ZeroEngine
+from .optimizers import build_optimizer
+
+logger = logging.getLogger("zero_ext")
+
+# Keys the UNIMPLEMENTED table lists that this engine does implement (the table is shared with
+# zero.Init, which implements less).
+IMPLEMENTED = ("zero_optimization.ignore_unused_parameters",)
+
+
+def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
+               dist_init_required: Optional[bool] = None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None) -> Tuple[ZeroEngine, Any, Any, Any]:
+    """Builds the engine: ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or a JSON path.
+    ``optimizer`` is a torch optimizer over the model's parameters, or a callable taking the
+    parameters; otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
+    scheduler or a callable taking the optimizer. ``training_data`` (a Dataset) gives a loader with a
+    distributed sampler and the micro batch size.
+    """
+    if model is None:
+        raise ValueError("zero_ext.initialize: model is required (pass model=your_module)")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zero_ext.initialize: model must be a torch.nn.Module, not {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("zero_ext.initialize: model parallelism (mpu, mesh_param) is not supported by zero_ext; "
+                         "zero_ext is data-parallel ZeRO only")
+    source = _config_source(args, config, config_params)
+    comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    world, rank = comm.get_world_size(), comm.get_rank()
+    cfg = load_config(source)
+    cfg.resolve_batch(world)
+    reject_unimplemented(cfg, implemented=IMPLEMENTED)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("zero_ext.initialize: the model has no trainable parameters (every parameter has "
+                         "requires_grad=False); there is nothing to optimize")
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ValueError("zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' "
+                         "section; give only one (remove the section, or the optimizer argument)")
+    if optimizer is None and cfg.optimizer is None:
+        raise ValueError("zero_ext.initialize: no optimizer; pass optimizer=... or add an 'optimizer' section "
+                         "to the config")
+
+    device = _device()
+    model.to(device)
+    if cfg.bf16.enabled:
+        model.to(torch.bfloat16)
+    if world > 1:
+        _broadcast_from_rank0(model)
+
+    groups = _param_groups(model, model_parameters)
+    if optimizer is None:
+        base = build_optimizer(cfg.optimizer, groups)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        base = optimizer
+        _check_client_optimizer(model, base)
+    elif callable(optimizer):
+        base = optimizer(groups)
+        if not isinstance(base, torch.optim.Optimizer):
+            raise TypeError(f"zero_ext.initialize: the optimizer callable returned {type(base).__name__}, not "
+                            "a torch.optim.Optimizer")
+    else:
+        raise TypeError(f"zero_ext.initialize: optimizer must be a torch.optim.Optimizer or a callable, not "
+                        f"{type(optimizer).__name__}")
+    loader = _dataloader(training_data, cfg, collate_fn, rank, world)
+    engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
+            lr_scheduler, "step") else lr_scheduler
+    logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
+                cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps, world)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _config_source(args, config, config_params):
+    if config is not None and config_params is not None:
+        raise ValueError("zero_ext.initialize: give config or config_params, not both")
+    config = config if config is not None else config_params
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is None and args is not None:
+        from_args = getattr(args, "deepscale_config", None)
+    if config is not None and from_args is not None:
+        raise ValueError("zero_ext.initialize: the config is given twice (config= and args.deepspeed_config); "
+                         "give it once")
+    source = config if config is not None else from_args
+    if source is None:
+        raise ValueError("zero_ext.initialize: no config; pass config=dict_or_json_path or set "
+                         "args.deepspeed_config")
+    return source
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", comm.get_local_rank())
+    return torch.device("cpu")
+
+
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Replicas start equal even when scripts seed each rank differently (as DeepSpeed does)."""
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
+def _param_groups(model: torch.nn.Module, model_parameters) -> List[Dict[str, Any]]:
+    """model_parameters (tensors or group dicts) as group dicts, checked against the model."""
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters()]}]
+    items = list(model_parameters)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    names = {id(p): n for n, p in model.named_parameters()}
+    seen: Dict[int, str] = {}
+    out = []
+    for gi, group in enumerate(groups):
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"zero_ext.initialize: model_parameters group {gi} holds a tensor of shape "
+                                 f"{tuple(p.shape)} that is not a parameter of the model")
+            if id(p) in seen:
+                raise ValueError(f"zero_ext.initialize: parameter '{names[id(p)]}' appears twice in "
+                                 f"model_parameters ({seen[id(p)]} and group {gi}); list each parameter once")
+            seen[id(p)] = f"group {gi}"
+        out.append({**group, "params": params})
+    return out
+
+
+def _check_client_optimizer(model: torch.nn.Module, base: torch.optim.Optimizer) -> None:
+    names = {id(p) for p in model.parameters()}
+    for group in base.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("zero_ext.initialize: the optimizer holds a tensor that is not a parameter of "
+                                 "the model; build it over model.parameters()")
+    if base.state:
+        raise ValueError("zero_ext.initialize: the optimizer already has state (it has stepped); pass a fresh "
+                         "optimizer — ZeRO repartitions its state")
+
+
+def _dataloader(training_data, cfg, collate_fn, rank: int, world: int):
+    if training_data is None:
+        return None
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(training_data, num_replicas=world, rank=rank, shuffle=True)
+    return DataLoader(training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn, drop_last=getattr(cfg, "dataloader_drop_last", False))

@@ -1,0 +1,106 @@
+"""The ZeRO optimizer of stages 0-2: owns the flat groups, reduces, clips, steps, and re-gathers.
+
+The base (torch) optimizer sees one fp32 tensor per param group — this rank's master partition
+(see [Note: flat group tensors] in flat_group.py) — so its state is partitioned with it. ``step()`` is
+DeepSpeed's pipeline: finish the gradient reduction, compute the global norm, clip, step the base
+optimizer, write the masters back into the model's dtype, all-gather the updated partitions.
+"""
+import math
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import planner
+from .flat_group import FlatGroup
+
+
+class ZeroOptimizer:
+    """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's."""
+
+    def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
+                 gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
+                 process_group=None):
+        self.optimizer = base
+        self.groups = groups  # one per base param group; None for a group without trainable params
+        self.flat_groups = [g for g in groups if g is not None]
+        self.reducer, self.stage = reducer, stage
+        self.clip = gradient_clipping
+        self.allgather_bucket_size = allgather_bucket_size
+        self.rank, self.world, self.pg = rank, world, process_group
+        self.global_grad_norm: Optional[float] = None
+
+    # torch.optim.Optimizer's surface, delegated
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+    def __repr__(self):
+        return f"ZeroOptimizer(stage={self.stage}, base={type(self.optimizer).__name__})"
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        self.reducer.reduce(self.world)
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the averaged gradients (over every rank's partition)."""
+        sq = sum((g.grad_sq_norm() for g in self.flat_groups), torch.zeros((), dtype=torch.float64,
+                                                                            device=self._device()))
+        if self.stage >= 1 and self.world > 1:
+            dist.all_reduce(sq, group=self.pg)
+        return math.sqrt(sq.item())
+
+    def step(self) -> None:
+        self.reduce_gradients()
+        norm = self.grad_norm()
+        self.global_grad_norm = norm
+        if self.clip > 0 and math.isfinite(norm):
+            coef = self.clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g in self.flat_groups:
+                    g.grad.mul_(coef)
+        self.optimizer.step()
+        for g in self.flat_groups:
+            g.copy_master_to_params()
+        if self.stage >= 1 and self.world > 1:
+            self.all_gather_params()
+        self.reducer.after_step()
+
+    def all_gather_params(self) -> None:
+        """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""
+        for g in self.flat_groups:
+            chunk = planner.allgather_chunk(g.part, self.world, self.allgather_bucket_size)
+            for a in range(0, g.part, chunk):
+                b = min(g.part, a + chunk)
+                outputs = [g.flat[r * g.part + a:r * g.part + b] for r in range(self.world)]
+                dist.all_gather(outputs, g.flat[g.lo + a:g.lo + b].clone(), group=self.pg)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clears the accumulated gradients (the flat buffers stay; parameters keep their views)."""
+        self.reducer.after_step()
+
+    def _device(self):
+        return self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")
+
+    def tensors(self):
+        """(kind, tensor) of everything this optimizer holds, for memory accounting."""
+        out = [kt for g in self.flat_groups for kt in g.tensors()]
+        out += self.reducer.tensors()
+        for state in self.optimizer.state.values():
+            out += [("optimizer_state", t) for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+        return out
