@@ -1,0 +1,226 @@
+"""The engine's API surface and its errors for bad input (single process unless stated)."""
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+from harness import run_ranks
+from models import MLP
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+
+
+def _engine(config=None, **kwargs):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = kwargs.pop("model", None) or MLP()
+    return zero_ext.initialize(model=model, config=config or BASE, **kwargs)
+
+
+def _train_step(engine, gen=None):
+    gen = gen or torch.Generator().manual_seed(0)
+    loss = engine.module.loss(MLP.batch(2, gen))
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def _api_checks():
+    import zero_ext
+
+    config = {**BASE, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, opt, loader, sched = _engine(config)
+    world = torch.distributed.get_world_size()
+    out = {"batch": engine.get_batch_info(), "stage": engine.zero_optimization_stage(),
+           "lr": engine.get_lr(), "mom": engine.get_mom(), "isengine": isinstance(engine, zero_ext.DeepSpeedEngine),
+           "forwarded": engine.head is engine.module.head, "loader": loader, "sched": sched}
+    gen = torch.Generator().manual_seed(0)
+    applied, boundaries = [], []
+    for _ in range(4):
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        _train_step(engine, gen)
+        applied.append(engine.was_step_applied())
+    out.update(applied=applied, boundaries=boundaries, steps=(engine.global_steps, engine.micro_steps,
+                                                               engine.global_samples),
+               norm=engine.get_global_grad_norm(), world=world, state_keys=sorted(opt.state_dict()["state"]))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_counters_accessors_and_accumulation_boundaries(world):
+    out = run_ranks(world, _api_checks)[0]
+    assert out["batch"] == (2 * 2 * world, 2, 2)
+    assert out["stage"] == 1 and out["isengine"] and out["forwarded"]
+    assert out["lr"] == [1e-2] and out["mom"] == [(0.9, 0.999)]
+    assert out["loader"] is None and out["sched"] is None
+    assert out["boundaries"] == [False, True, False, True]
+    assert out["applied"] == [False, True, False, True]
+    assert out["steps"] == (2, 4, 2 * 4 * world)
+    assert out["norm"] is not None and out["norm"] > 0
+    assert out["state_keys"] == [0]  # one flat fp32 partition per param group: one state entry
+
+
+def _seeded_differently():
+    import zero_ext
+
+    torch.manual_seed(torch.distributed.get_rank())  # scripts often seed per rank
+    model = MLP()
+    zero_ext.initialize(model=model, config=BASE)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_parameters_are_broadcast_from_rank_0():
+    a, b = run_ranks(2, _seeded_differently)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _loader_batches():
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.arange(16.0).unsqueeze(1))
+    engine, _, loader, _ = _engine(training_data=data)
+    return [b[0].flatten().tolist() for b in loader]
+
+
+def test_training_data_gives_a_distributed_loader_with_the_micro_batch():
+    r0, r1 = run_ranks(2, _loader_batches)
+    assert all(len(b) == 2 for b in r0 + r1)
+    seen = sorted(x for b in r0 + r1 for x in b)
+    assert seen == list(map(float, range(16)))  # each sample once, split over the ranks
+
+
+def test_client_optimizer_instance_and_callable_and_args_config(tmp_path):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = {"train_micro_batch_size_per_gpu": 2}
+    engine, zopt, _, _ = zero_ext.initialize(model=model, optimizer=opt, config=config)
+    assert zopt.optimizer is opt and engine.get_lr() == [0.1]
+    _train_step(engine)
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    args = argparse.Namespace(deepspeed_config=str(path))
+    engine, zopt, _, sched = zero_ext.initialize(
+        args=args, model=MLP(), optimizer=lambda ps: torch.optim.Adam(ps, lr=3e-3),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    assert isinstance(zopt.optimizer, torch.optim.Adam) and engine.get_lr() == [3e-3]
+    _train_step(engine)
+    assert engine.get_lr() == [1.5e-3]  # the scheduler stepped with the optimizer
+
+
+def test_config_weight_decay_defaults_to_deepspeeds_zero():
+    engine, opt, _, _ = _engine()
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+
+
+def test_step_before_backward_warns_and_updates_nothing():
+    engine, _, _, _ = _engine()
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    with pytest.warns(RuntimeWarning, match=r"step\(\) was called before engine.backward\(\)"):
+        engine.step()
+    assert not engine.was_step_applied() and engine.global_steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+
+def test_no_model():
+    import zero_ext
+
+    with pytest.raises(ValueError, match="model is required"):
+        zero_ext.initialize(config=BASE)
+
+
+def test_duplicate_tensor_in_model_parameters():
+    model = MLP()
+    groups = [{"params": [model.body.weight]}, {"params": [model.head.weight, model.body.weight]}]
+    with pytest.raises(ValueError, match=r"parameter 'body.weight' appears twice in model_parameters"):
+        _engine(model=model, model_parameters=groups)
+
+
+def test_tensor_that_is_not_a_parameter():
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        _engine(model_parameters=[torch.nn.Parameter(torch.zeros(3))])
+
+
+def test_optimizer_in_config_and_as_argument():
+    model = MLP()
+    with pytest.raises(ValueError, match="an optimizer was passed and the config has an 'optimizer' section"):
+        _engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_no_optimizer_at_all():
+    with pytest.raises(ValueError, match="no optimizer"):
+        _engine({"train_micro_batch_size_per_gpu": 2})
+
+
+def test_module_without_trainable_parameters():
+    model = MLP().requires_grad_(False)
+    with pytest.raises(ValueError, match="the model has no trainable parameters"):
+        _engine(model=model)
+
+
+def _contradicting_batch():
+    _engine({**BASE, "train_batch_size": 6, "gradient_accumulation_steps": 1})
+
+
+def test_batch_triple_that_contradicts_the_world_size():
+    from harness import RankFailed
+
+    with pytest.raises(RankFailed, match=r"train_batch_size.*6"):
+        run_ranks(2, _contradicting_batch)
+
+
+def test_unimplemented_feature_is_refused_by_name():
+    from zero_ext.config import ConfigError
+
+    with pytest.raises(ConfigError, match="zero_optimization.stage"):
+        _engine({**BASE, "zero_optimization": {"stage": 3}})
+
+
+def test_backward_of_a_non_scalar_or_detached_loss():
+    engine, _, _, _ = _engine()
+    out = engine(MLP.batch(2, torch.Generator().manual_seed(0))[0])
+    with pytest.raises(TypeError, match="expects the scalar loss tensor"):
+        engine.backward(out)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        engine.backward(out.sum().detach())
+
+
+def _unused_parameter(ignore):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    config = {**BASE, "zero_optimization": {"stage": 2, "ignore_unused_parameters": ignore}}
+    engine, _, _, _ = zero_ext.initialize(model=model, config=config)
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0))
+    head_only = engine.module.head(torch.tanh(torch.ones(2, 13)))  # body never used
+    engine.backward((head_only - y).pow(2).mean())
+    engine.step()
+    return engine.global_steps
+
+
+def test_unused_parameters_are_allowed_by_default_and_refused_on_request():
+    from harness import RankFailed
+
+    assert run_ranks(2, _unused_parameter, True) == [1, 1]
+    with pytest.raises(RankFailed, match="received no gradient in this backward pass"):
+        run_ranks(2, _unused_parameter, False)
+
+
+def test_user_zero_grad_between_micro_steps_is_tolerated():
+    config = {**BASE, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, _, _, _ = _engine(config)
+    gen = torch.Generator().manual_seed(0)
+    _train_step(engine, gen)
+    engine.module.zero_grad()  # sets .grad to None behind the engine's back
+    loss = engine.module.loss(MLP.batch(2, gen))
+    engine.backward(loss)
+    engine.step()
+    assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
+    assert all(p.grad is not None for p in engine.module.parameters() if p.requires_grad)

@@ -1,0 +1,90 @@
+"""GPU checks (marked `gpu`; skipped without CUDA; run by benchmarks/gpu_suite.sh on a GPU machine).
+
+Unverified until a GPU machine runs them: this development machine has none.
+"""
+import ctypes
+
+import pytest
+import torch
+
+from harness import run_ranks
+from models import MLP
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cast_kernel_matches_torch_bit_for_bit():
+    from zero_ext import _cuda
+    from zero_ext.dtypes import zx_dtype
+
+    lib = _cuda.library()
+    special = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3.4e38, float("inf"), float("-inf"), float("nan"),
+                            1.0 + 2 ** -8, 1.0 + 3 * 2 ** -9, 65504.0, 65520.0, 6e-8])
+    src = torch.cat([special, torch.randn(100_003) * 10]).cuda()
+    stream = torch.cuda.current_stream().cuda_stream
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(src.shape, dtype=dtype, device="cuda")
+        _cuda.check(lib.zx_cuda_cast(src.data_ptr(), zx_dtype(src.dtype), out.data_ptr(), zx_dtype(dtype),
+                                     src.numel(), stream), "cast")
+        torch.cuda.synchronize()
+        want = src.to(dtype)
+        same = (out.view(torch.int16) == want.view(torch.int16)) | (out.isnan() & want.isnan())
+        assert bool(same.all()), f"{dtype}: {int((~same).sum())} elements differ"
+
+
+def test_nccl_single_rank_communicator_all_reduce():
+    from zero_ext import _cuda
+    from zero_ext.dtypes import zx_dtype
+
+    lib = _cuda.library()
+    uid = ctypes.create_string_buffer(_cuda.NCCL_ID_BYTES)
+    _cuda.check(lib.zx_nccl_unique_id(uid), "unique id")
+    comm = ctypes.c_void_p()
+    _cuda.check(lib.zx_nccl_comm_init(ctypes.byref(comm), 1, 0, uid), "comm init")
+    x = torch.arange(10, dtype=torch.float32, device="cuda")
+    y = torch.empty_like(x)
+    stream = torch.cuda.current_stream().cuda_stream
+    _cuda.check(lib.zx_nccl_all_reduce(comm, x.data_ptr(), y.data_ptr(), 10, zx_dtype(x.dtype), 0, stream), "ar")
+    torch.cuda.synchronize()
+    assert torch.equal(x, y)
+    _cuda.check(lib.zx_nccl_comm_destroy(comm), "destroy")
+
+
+def _train_on_gpu(stage, dtype):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "bf16": {"enabled": dtype == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 50}}
+    engine, _, _, _ = zero_ext.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for _ in range(5):
+        x, y = (t.cuda() for t in MLP.batch(4, gen, dt))
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    table = engine.memory_breakdown()
+    allocated = torch.cuda.memory_allocated()
+    return {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}, table, allocated
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_engine_on_one_gpu_matches_the_cpu_reference(stage):
+    # init=False: initialize picks the CUDA backend (cpu:gloo,cuda:nccl) itself
+    params, table, allocated = run_ranks(1, _train_on_gpu, stage, "fp32", timeout=300, init=False)[0]
+    torch.manual_seed(0)
+    ref = MLP()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, y = MLP.batch(4, gen)
+        (ref(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in ref.named_parameters():  # GPU kernels round differently from CPU ones
+        assert (params[n] - p.detach()).abs().max().item() <= 1e-4 * (p.abs().max().item() + 1e-2)
+    assert table["total"]["accelerator"] > 0 and table["total"]["host"] == 0
+    assert table["total"]["accelerator"] <= allocated
