@@ -224,3 +224,22 @@ def test_user_zero_grad_between_micro_steps_is_tolerated():
     engine.step()
     assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
     assert all(p.grad is not None for p in engine.module.parameters() if p.requires_grad)
+
+
+def test_grad_accum_dtype_other_than_what_the_stage_does_is_refused():
+    from zero_ext.config import ConfigError
+
+    config = {**BASE, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"},
+              "zero_optimization": {"stage": 1}}
+    with pytest.raises(ConfigError, match=r"grad_accum_dtype = 'fp32'.*accumulates gradients in bf16.*stage 2"):
+        _engine(config)
+
+
+def test_communication_data_type_sets_the_bucket_dtype():
+    config = {**BASE, "bf16": {"enabled": True}, "communication_data_type": "fp32",
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}
+    engine, opt, _, _ = _engine(config)
+    assert opt.reducer.dtype == torch.float32
+    loss = engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16))
+    engine.backward(loss)
+    assert engine.memory_breakdown()["comm_buffers"]["accelerator"] == 4 * opt.reducer.buffer_numel

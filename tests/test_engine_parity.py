@@ -47,18 +47,27 @@ CASES = [
     # the combinations users run most, in full
     (2, "fp32", 2, 1, "gpt", 1.0, {"overlap_comm": True, "reduce_bucket_size": 200}),
     (2, "bf16", 2, 1, "gpt", 1.0, {}),
+    # top-level keys that change how gradients are averaged and in which dtype they travel
+    (2, "bf16", 2, 3, "gpt", 1.0, {"_top": {"communication_data_type": "fp32"}}),
+    (0, "bf16", 4, 1, "mlp", 1.0, {"_top": {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "bf16"}}}),
+    (1, "fp32", 2, 1, "mlp", 1.0, {"_top": {"prescale_gradients": True}}),
+    (1, "fp32", 4, 3, "gpt", 1.0, {"_top": {"gradient_predivide_factor": 2.0}}),
+    (2, "fp32", 4, 1, "mlp", 1.0, {"_top": {"communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "fp32"}}}),
 ]
 
 
 def _id(case):
     stage, dtype, world, gas, model, clip, opts = case
+    opts = {**{k: v for k, v in opts.items() if k != "_top"}, **opts.get("_top", {})}
     extra = "-".join(f"{k}={v}" for k, v in opts.items())
     return f"z{stage}-{dtype}-n{world}-gas{gas}-{model}-clip{clip}" + (f"-{extra}" if extra else "")
 
 
 def _config(case):
     stage, dtype, world, gas, model, clip, opts = case
-    return {
+    opts = dict(opts)
+    top = opts.pop("_top", {})  # top-level keys (communication_data_type, prescale_gradients, ...)
+    return {**top,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
@@ -180,6 +189,8 @@ def test_engine_matches_pytorch(case):
     params = results[0][1]
     assert params.keys() == ref_params.keys()
     exact = dtype == "fp32" and world == 1
+    if opts.get("_top", {}).get("communication_data_type") == "bf16":
+        dtype = "bf16"  # gradients rounded to bf16 on the wire: bf16's bounds apply
     for n, p in params.items():
         ref = ref_params[n]
         if exact:

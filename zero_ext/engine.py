@@ -16,11 +16,14 @@ import torch.distributed as dist
 
 from . import comm
 from .flat_group import FlatGroup
-from .grad_reduce import BoundaryReducer, BucketReducer
+from .grad_reduce import Averaging, BoundaryReducer, BucketReducer
+from .loss_scaler import scaler_from_config
 from .memory import MemoryAccount
 from .zero_optimizer import ZeroOptimizer
 
 logger = logging.getLogger("zero_ext.engine")
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class ZeroEngine(torch.nn.Module):
@@ -61,13 +64,16 @@ class ZeroEngine(torch.nn.Module):
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
+        cfg = self._config
+        comm_dtype = _DTYPES.get(cfg.communication_data_type, flat[0].dtype)
+        averaging = Averaging(self.world_size, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
         if stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
-                                    self.global_rank, self.world_size, zc.ignore_unused_parameters)
+                                    self.global_rank, self.world_size, zc.ignore_unused_parameters, averaging)
         else:
-            reducer = BoundaryReducer(flat, zc.reduce_bucket_size)
-        return ZeroOptimizer(base, groups, reducer, stage, self._config.gradient_clipping,
-                             zc.allgather_bucket_size, self.global_rank, self.world_size)
+            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
+        return ZeroOptimizer(base, groups, reducer, stage, cfg.gradient_clipping, zc.allgather_bucket_size,
+                             self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
 
     # -- nn.Module --------------------------------------------------------------------------------------
 
@@ -88,7 +94,8 @@ class ZeroEngine(torch.nn.Module):
     # -- training ---------------------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
-        """Backpropagates ``loss`` divided by the accumulation steps; returns the scaled loss."""
+        """Backpropagates ``loss`` divided by the accumulation steps (and, in fp16, multiplied by the
+        loss scale); returns the loss divided by the accumulation steps."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects the scalar loss tensor, got "
                             f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
@@ -98,7 +105,8 @@ class ZeroEngine(torch.nn.Module):
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        loss.backward(retain_graph=retain_graph)
+        scale = self.optimizer.cur_scale
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._backward_since_step = True
         return loss
 
@@ -120,12 +128,17 @@ class ZeroEngine(torch.nn.Module):
         self._backward_since_step = False
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self.optimizer.step()
-            self._step_applied = True
+            self._step_applied = self.optimizer.step()
+            if self._step_applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+                logger.info("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps,
+                            self.optimizer.cur_scale)
+            # counted on skipped steps too, as DeepSpeed does
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -133,6 +146,7 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer.zero_grad()
 
     def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters (False between boundaries and on overflow)."""
         return self._step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:

@@ -21,6 +21,18 @@ from . import planner
 from .flat_group import FlatGroup
 
 
+class Averaging:
+    """How gradients are averaged over N ranks and in which dtype they travel (DeepSpeed's keys):
+    by default multiplied by 1/f before the reduction and by f/N after (gradient_predivide_factor f,
+    default 1); with prescale_gradients divided by N before. ``comm_dtype``: communication_data_type,
+    or the gradients' own dtype."""
+
+    def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0):
+        self.comm_dtype = comm_dtype
+        self.pre = 1.0 / world if prescale else 1.0 / predivide
+        self.post = 1.0 if prescale else predivide / world
+
+
 def _chunks(n: int, size: int):
     size = max(1, size)
     for start in range(0, n, size):
@@ -30,25 +42,42 @@ def _chunks(n: int, size: int):
 class BoundaryReducer:
     """Stages 0 and 1: reduce the accumulated flat gradients once per optimizer step."""
 
-    def __init__(self, groups: List[FlatGroup], bucket_size: int, process_group=None):
-        self.groups, self.bucket_size, self.pg = groups, bucket_size, process_group
+    def __init__(self, groups: List[FlatGroup], bucket_size: int, averaging: Averaging, process_group=None):
+        self.groups, self.bucket_size, self.avg, self.pg = groups, bucket_size, averaging, process_group
 
     def reduce(self, world: int) -> None:
         for g in self.groups:
             g.collect_lp_grads()
-            if world > 1:
-                if g.partitioned and g.lp_grad.is_cuda:
-                    self._reduce_scatter(g)
-                else:
-                    for a, b in _chunks(g.padded, self.bucket_size):
-                        dist.all_reduce(g.lp_grad[a:b], group=self.pg)
-            if g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
-                g.grad.copy_(g.lp_grad[g.lo:g.hi])
-            if world > 1:
-                g.grad.div_(world)
+            aliased = g.grad.data_ptr() == g.lp_grad[g.lo:g.hi].data_ptr()
+            if world == 1:
+                if not aliased:
+                    g.grad.copy_(g.lp_grad)
+                continue
+            if g.partitioned and g.lp_grad.is_cuda and self.avg.comm_dtype == g.dtype:
+                self._reduce_scatter(g)
+                if not aliased:
+                    g.grad.copy_(g.lp_grad[g.lo:g.hi])
+            else:
+                for a, b in _chunks(g.padded, self.bucket_size):
+                    self._all_reduce_chunk(g, a, b, aliased)
+            if self.avg.post != 1.0:
+                g.grad.mul_(self.avg.post)
+
+    def _all_reduce_chunk(self, g: FlatGroup, a: int, b: int, aliased: bool) -> None:
+        """All-reduces lp_grad[a:b] in the communication dtype; this rank keeps its partition's part."""
+        chunk = g.lp_grad[a:b]
+        t = chunk if self.avg.comm_dtype == g.dtype else chunk.to(self.avg.comm_dtype)
+        if self.avg.pre != 1.0:
+            t.mul_(self.avg.pre)
+        dist.all_reduce(t, group=self.pg)
+        lo, hi = max(a, g.lo), min(b, g.hi)
+        if lo < hi and not (aliased and t is chunk):
+            g.grad[lo - g.lo:hi - g.lo].copy_(t[lo - a:hi - a])
 
     def _reduce_scatter(self, g: FlatGroup) -> None:
         chunk = max(1, self.bucket_size // g.world)
+        if self.avg.pre != 1.0:
+            g.lp_grad.mul_(self.avg.pre)
         for a, b in _chunks(g.part, chunk):
             inputs = [g.lp_grad[r * g.part + a:r * g.part + b] for r in range(g.world)]
             dist.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
@@ -75,14 +104,15 @@ class BucketReducer:
     """Stage 2: reduce gradients to their owners during backward (see the module docstring)."""
 
     def __init__(self, groups: List[FlatGroup], bucket_size: int, overlap: bool, contiguous: bool, rank: int,
-                 world: int, ignore_unused: bool, process_group=None):
+                 world: int, ignore_unused: bool, averaging: Averaging, process_group=None):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        self.avg = averaging
         self.overlap, self.contiguous, self.ignore_unused = overlap, contiguous, ignore_unused
         numels = [n for g in groups for n in g.numels]
         self.bucket_size = max(1, bucket_size)
         # a buffer never needs more than every gradient, nor less than the largest one
         self.buffer_numel = min(max(self.bucket_size, max(numels)), sum(numels))
-        self.dtype = groups[0].dtype
+        self.dtype = averaging.comm_dtype  # the buckets travel in the communication dtype
         self.device = groups[0].flat.device
         self.buffers: List[torch.Tensor] = []
         self.next_buffer = 0
@@ -168,6 +198,8 @@ class BucketReducer:
         for gi, i in members:
             self.groups[gi].params[i].grad = None  # copied: free it now
         handles = []
+        if self.avg.pre != 1.0 and self.world > 1:
+            buf.mul_(self.avg.pre)
         if self.world > 1:
             for owner, (a, b) in enumerate(regions):
                 if b > a:
@@ -185,12 +217,12 @@ class BucketReducer:
         for h in handles:
             if h is not None:
                 h.wait()
-        scale = 1.0 / self.world
+        post = self.avg.post if self.world > 1 else 1.0
         for gi, partoff, length in mine:
             dst = self.groups[gi].grad[partoff:partoff + length]
             src = buf[pos:pos + length]
-            if self.world > 1:
-                dst.add_(src.float(), alpha=scale)
+            if post != 1.0:
+                dst.add_(src.float(), alpha=post)
             else:
                 dst.add_(src)
             pos += length

@@ -15,7 +15,13 @@ logger = logging.getLogger("zero_ext")
 
 # Keys the UNIMPLEMENTED table lists that this engine does implement (the table is shared with
 # zero.Init, which implements less).
-IMPLEMENTED = ("zero_optimization.ignore_unused_parameters",)
+IMPLEMENTED = ("zero_optimization.ignore_unused_parameters", "fp16.enabled", "communication_data_type",
+               "prescale_gradients", "gradient_predivide_factor", "data_types.grad_accum_dtype")
+
+# Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
+# give the same result on a flat partition as on the parameters. Others need
+# zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam")
 
 
 def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,
@@ -43,6 +49,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     cfg = load_config(source)
     cfg.resolve_batch(world)
     reject_unimplemented(cfg, implemented=IMPLEMENTED)
+    _check_grad_accum_dtype(cfg)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
@@ -59,6 +66,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     model.to(device)
     if cfg.bf16.enabled:
         model.to(torch.bfloat16)
+    elif cfg.fp16.enabled:
+        model.to(torch.float16)
     if world > 1:
         _broadcast_from_rank0(model)
 
@@ -76,6 +85,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     else:
         raise TypeError(f"zero_ext.initialize: optimizer must be a torch.optim.Optimizer or a callable, not "
                         f"{type(optimizer).__name__}")
+    _check_zero_optimizer(base, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device)
     if lr_scheduler is not None:
@@ -85,6 +95,32 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_grad_accum_dtype(cfg) -> None:
+    """Stage 2 accumulates gradients in fp32 partitions; stages 0/1 in the model's dtype (as DeepSpeed's
+    stage 1 does). data_types.grad_accum_dtype may name what happens, nothing else yet."""
+    want = cfg.data_types.grad_accum_dtype
+    if want is None:
+        return
+    stage = cfg.zero_optimization.stage
+    actual = "fp32" if stage == 2 else cfg.precision
+    if want != actual:
+        raise ConfigError(
+            f"data_types.grad_accum_dtype = {want!r}: ZeRO stage {stage} with {cfg.precision} parameters "
+            f"accumulates gradients in {actual}, and zero_ext implements no other choice yet; remove the key"
+            + (" or use ZeRO stage 2, which accumulates in fp32" if want == "fp32" else ""))
+
+
+def _check_zero_optimizer(base: torch.optim.Optimizer, cfg) -> None:
+    if cfg.zero_optimization.stage == 0 or cfg.zero_allow_untested_optimizer:
+        return
+    name = type(base).__name__
+    if name not in ZERO_SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"zero_ext.initialize: {name} is an untested ZeRO optimizer: ZeRO steps it on flat partitions of "
+            "the parameters, which is only right for element-wise optimizers (Adam, AdamW, Adagrad, Lion). "
+            'Add "zero_allow_untested_optimizer": true to the config to use it anyway.')
 
 
 def _config_source(args, config, config_params):

@@ -2,8 +2,12 @@
 
 The base (torch) optimizer sees one fp32 tensor per param group — this rank's master partition
 (see [Note: flat group tensors] in flat_group.py) — so its state is partitioned with it. ``step()`` is
-DeepSpeed's pipeline: finish the gradient reduction, compute the global norm, clip, step the base
-optimizer, write the masters back into the model's dtype, all-gather the updated partitions.
+DeepSpeed's pipeline: finish the gradient reduction, compute the global norm, detect overflow (fp16:
+skip the step), unscale and clip in one multiply, step the base optimizer, write the masters back into
+the model's dtype, all-gather the updated partitions.
+
+Overflow needs no collective of its own: the global norm is a sum over every rank's partition, so an
+inf or nan anywhere makes it non-finite on every rank, and all ranks skip the same steps.
 """
 import math
 from typing import List, Optional
@@ -13,6 +17,7 @@ import torch.distributed as dist
 
 from . import planner
 from .flat_group import FlatGroup
+from .loss_scaler import StaticLossScaler
 
 
 class ZeroOptimizer:
@@ -20,7 +25,7 @@ class ZeroOptimizer:
 
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
-                 process_group=None):
+                 loss_scaler: Optional[StaticLossScaler] = None, process_group=None):
         self.optimizer = base
         self.groups = groups  # one per base param group; None for a group without trainable params
         self.flat_groups = [g for g in groups if g is not None]
@@ -29,6 +34,21 @@ class ZeroOptimizer:
         self.allgather_bucket_size = allgather_bucket_size
         self.rank, self.world, self.pg = rank, world, process_group
         self.global_grad_norm: Optional[float] = None
+        self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
+        self.overflow = False
+
+    @property
+    def cur_scale(self) -> float:
+        """The current loss scale (1 without fp16)."""
+        return self.loss_scaler.cur_scale
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
 
     # torch.optim.Optimizer's surface, delegated
     @property
@@ -57,29 +77,41 @@ class ZeroOptimizer:
     def reduce_gradients(self) -> None:
         self.reducer.reduce(self.world)
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of the averaged gradients (over every rank's partition)."""
+    def grad_sq_norm(self) -> float:
+        """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank."""
         sq = sum((g.grad_sq_norm() for g in self.flat_groups), torch.zeros((), dtype=torch.float64,
                                                                             device=self._device()))
         if self.stage >= 1 and self.world > 1:
             dist.all_reduce(sq, group=self.pg)
-        return math.sqrt(sq.item())
+        return sq.item()
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One optimizer step; False when it was skipped for an fp16 overflow."""
         self.reduce_gradients()
-        norm = self.grad_norm()
+        scale = self.loss_scaler.cur_scale
+        norm = math.sqrt(self.grad_sq_norm()) / scale
         self.global_grad_norm = norm
-        if self.clip > 0 and math.isfinite(norm):
+        self.overflow = not math.isfinite(norm)
+        if self.overflow:
+            self.reducer.after_step()
+            self.loss_scaler.update(True)
+            return False
+        combined = 1.0 / scale  # unscale and clip in one pass over the gradients
+        if self.clip > 0:
             coef = self.clip / (norm + 1e-6)
             if coef < 1.0:
-                for g in self.flat_groups:
-                    g.grad.mul_(coef)
+                combined *= coef
+        if combined != 1.0:
+            for g in self.flat_groups:
+                g.grad.mul_(combined)
         self.optimizer.step()
         for g in self.flat_groups:
             g.copy_master_to_params()
         if self.stage >= 1 and self.world > 1:
             self.all_gather_params()
         self.reducer.after_step()
+        self.loss_scaler.update(False)
+        return True
 
     def all_gather_params(self) -> None:
         """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""

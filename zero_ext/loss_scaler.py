@@ -1,0 +1,88 @@
+"""Loss scaling for fp16: DeepSpeed's dynamic scaler (with hysteresis) and its static one.
+
+The loss is multiplied by the scale before backward so that small fp16 gradients do not flush to zero;
+the optimizer divides it out again. Dynamic scaling, per step (DeepSpeed's rules):
+- overflow (inf/nan in any rank's gradients): the step is skipped; if the hysteresis is used up the
+  scale halves (never below ``min_scale``; already at the floor is an error), else the hysteresis
+  shrinks by one;
+- a clean step: with ``consecutive_hysteresis`` the hysteresis refills at once; after every
+  ``scale_window`` clean steps since the last overflow the scale doubles (and, without
+  ``consecutive_hysteresis``, the hysteresis refills then).
+"""
+
+
+class LossScaleFloorError(RuntimeError):
+    """The scale is at min_loss_scale and still overflows: training cannot go on."""
+
+
+class StaticLossScaler:
+    dynamic = False
+
+    def __init__(self, scale: float = 1.0):
+        self.cur_scale = float(scale)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def update(self, overflow: bool) -> None:
+        pass
+
+    def state_dict(self):
+        return {"cur_scale": self.cur_scale}
+
+    def load_state_dict(self, state):
+        self.cur_scale = state["cur_scale"]
+
+
+class DynamicLossScaler(StaticLossScaler):
+    dynamic = True
+
+    def __init__(self, init_scale: float = 2.0 ** 16, scale_window: int = 1000, min_scale: float = 1.0,
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False, scale_factor: float = 2.0):
+        super().__init__(init_scale)
+        self.scale_window, self.min_scale, self.scale_factor = scale_window, float(min_scale), scale_factor
+        self.delayed_shift = hysteresis
+        self.cur_hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale <= self.min_scale:
+                    raise LossScaleFloorError(
+                        f"fp16 gradients overflow at the minimum loss scale ({self.min_scale:g}): the scale "
+                        "cannot decrease any further. Lower fp16.min_loss_scale, lower the learning rate, or "
+                        "train in bf16.")
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.delayed_shift
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                if not self.consecutive_hysteresis:
+                    self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+    def state_dict(self):
+        return {"cur_scale": self.cur_scale, "cur_iter": self.cur_iter, "cur_hysteresis": self.cur_hysteresis,
+                "last_overflow_iter": self.last_overflow_iter}
+
+    def load_state_dict(self, state):
+        self.__dict__.update({k: state[k] for k in self.state_dict()})
+
+
+def scaler_from_config(fp16) -> StaticLossScaler:
+    """The scaler an ``fp16`` config section asks for (scale 1 when fp16 is off)."""
+    if not fp16.enabled:
+        return StaticLossScaler(1.0)
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(fp16.loss_scale)
+    return DynamicLossScaler(init_scale=2.0 ** fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
+                             min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
+                             consecutive_hysteresis=fp16.consecutive_hysteresis)
