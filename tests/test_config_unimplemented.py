@@ -94,7 +94,6 @@ CASES = {
     "communication_data_type": ({"communication_data_type": "fp32"}, "fp32"),
     "optimizer.type": ({"optimizer": {"type": "Lamb"}}, "lamb"),
     "optimizer.legacy_fusion": ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, True),
-    "scheduler": ({"scheduler": {"type": "StepLR", "params": {"step_size": 1}}}, None),
     "prescale_gradients": ({"prescale_gradients": True}, True),
     "gradient_predivide_factor": ({"gradient_predivide_factor": 2.0}, 2.0),
     "gradient_allreduce_op": ({"gradient_allreduce_op": "sum"}, "sum"),

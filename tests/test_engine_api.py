@@ -243,3 +243,23 @@ def test_communication_data_type_sets_the_bucket_dtype():
     loss = engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16))
     engine.backward(loss)
     assert engine.memory_breakdown()["comm_buffers"]["accelerator"] == 4 * opt.reducer.buffer_numel
+
+
+def test_config_scheduler_steps_with_applied_steps_only():
+    config = {**BASE, "fp16": {"enabled": True, "initial_scale_power": 4},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01,
+                                                           "warmup_num_steps": 10, "warmup_type": "linear"}}}
+    engine, _, _, sched = _engine(config)
+    gen = torch.Generator().manual_seed(0)
+    lrs = [engine.get_lr()[0]]
+    for step in range(4):
+        loss = engine.module.loss(MLP.batch(2, gen, torch.float16))
+        engine.backward(loss * (float("inf") if step == 2 else 1.0))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert type(sched).__name__ == "WarmupLR"
+    assert engine.skipped_steps == 1
+    assert lrs[3] == lrs[2] and lrs[1] < lrs[2] < lrs[4]  # no scheduler step on the skipped step
+    # DeepSpeed's WarmupLR: the first step() is iteration 0 (warmup_min_lr), so three applied steps
+    # reach iteration 2 of the 10-step linear warm-up
+    assert lrs[4] == pytest.approx(0.01 * 2 / 10)

@@ -10,6 +10,7 @@ from . import comm
 from .config import ConfigError, load_config, reject_unimplemented
 from .engine import ZeroEngine
 from .optimizers import build_optimizer
+from .schedulers import configure_lr_scheduler
 
 logger = logging.getLogger("zero_ext")
 
@@ -88,9 +89,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     _check_zero_optimizer(base, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device)
-    if lr_scheduler is not None:
-        engine.lr_scheduler = lr_scheduler(engine.optimizer.optimizer) if callable(lr_scheduler) and not hasattr(
-            lr_scheduler, "step") else lr_scheduler
+    # a client scheduler (object, or callable taking the optimizer) wins over the config's section
+    engine.lr_scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, engine.optimizer, basic_optimizer=base)
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)

@@ -73,7 +73,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
                        "values": ["lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion",
                                   "muon", "muadam", "muadamw", "musgd"]},
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer",
-    "scheduler": "learning-rate schedulers built from the config",
     "prescale_gradients": "gradient pre-scaling",
     "gradient_predivide_factor": "gradient pre-division",
     "gradient_allreduce_op": {"reason": "summed (not averaged) gradients", "values": ["sum"]},
