@@ -173,6 +173,13 @@ def run_ranks(world_size: int, fn: Callable, *args, timeout: float = DEFAULT_TIM
     return pool.run(fn, args, kwargs, timeout=timeout, init=init, env=env)
 
 
+def restart_pool(world_size: int) -> None:
+    """The next run_ranks(world_size, ...) starts fresh processes (e.g. to resume from a checkpoint)."""
+    pool = _POOLS.pop(world_size, None)
+    if pool is not None:
+        pool.close()
+
+
 @atexit.register
 def close_pools() -> None:
     for pool in _POOLS.values():

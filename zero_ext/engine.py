@@ -43,6 +43,7 @@ class ZeroEngine(torch.nn.Module):
         self._step_applied = False
         self._backward_since_step = False
         self._boundary_override: Optional[bool] = None
+        self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self.training_dataloader = training_dataloader
         self.optimizer = self._build_zero_optimizer(base_optimizer)
         self.lr_scheduler = lr_scheduler
@@ -212,6 +213,60 @@ class ZeroEngine(torch.nn.Module):
         for b in self.module.buffers():
             account.add("buffers", b)
         return account.table()
+
+    # -- checkpoints (checkpoint.py) -------------------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: every rank writes its shard; see docs/checkpoints.md."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The model's weights in their training dtype (whole on every rank below stage 3)."""
+        sd = self.module.state_dict()
+        if exclude_frozen_parameters:
+            for n, p in self.module.named_parameters():
+                if not p.requires_grad:
+                    sd.pop(n, None)
+        return sd
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Collective; rank 0 writes the weights (safetensors when the file name ends so)."""
+        from .checkpoint import check_all_ranks_call
+        from .checkpoint_io import atomic_torch_save
+
+        self._collective_seq += 1
+        check_all_ranks_call("save_16bit_model", self._collective_seq)
+        sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.global_rank == 0:
+            import os
+
+            os.makedirs(save_dir, exist_ok=True)
+            path = os.path.join(save_dir, save_filename)
+            if save_filename.endswith(".safetensors"):
+                from safetensors.torch import save_file
+
+                save_file({k: v.detach().contiguous().clone().cpu() for k, v in sd.items()}, path,
+                          metadata={"format": "pt"})
+            else:
+                atomic_torch_save({k: v.detach().cpu() for k, v in sd.items()}, path)
+        if self.world_size > 1:
+            dist.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
 
     def destroy(self) -> None:
         """Removes the hooks the engine installed (stage 2)."""

@@ -17,7 +17,8 @@ logger = logging.getLogger("zero_ext")
 # Keys the UNIMPLEMENTED table lists that this engine does implement (the table is shared with
 # zero.Init, which implements less).
 IMPLEMENTED = ("zero_optimization.ignore_unused_parameters", "fp16.enabled", "communication_data_type",
-               "prescale_gradients", "gradient_predivide_factor", "data_types.grad_accum_dtype")
+               "prescale_gradients", "gradient_predivide_factor", "data_types.grad_accum_dtype",
+               "checkpoint.tag_validation", "checkpoint.load_universal")
 
 # Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
 # give the same result on a flat partition as on the parameters. Others need

@@ -1,0 +1,159 @@
+"""Rebuild a full fp32 state dict from a zero_ext ZeRO checkpoint, offline, on one CPU process.
+
+    python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--max_shard_size 5GB] [--safe_serialization]
+    python -m zero_ext.zero_to_fp32 CHECKPOINT_DIR OUTPUT_DIR
+
+Standalone on purpose: it needs only torch (and safetensors for --safe_serialization), and a copy of
+this file is written next to every checkpoint, so a checkpoint can be converted where zero_ext is not
+installed. Shards are read one at a time, memory-mapped, so peak memory stays near the output's size.
+Every trainable parameter comes from the fp32 master partitions; frozen parameters and buffers from
+the module's own saved state; tied parameters share one tensor under each name.
+"""
+import argparse
+import json
+import os
+import re
+from collections import OrderedDict
+
+import torch
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+
+
+def _load(path):
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+def _resolve_tag(checkpoint_dir, tag):
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.exists(latest):
+            raise ValueError(f"Unable to find 'latest' file at {latest}; pass the tag (-t)")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(checkpoint_dir, str(tag))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist")
+    return folder
+
+
+def _optim_files(folder):
+    pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+    found = sorted((int(m.group(2)), name) for name in os.listdir(folder) if (m := pattern.match(name)))
+    return [name for _, name in found]
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
+    """OrderedDict name -> fp32 tensor of the whole model at the checkpoint."""
+    folder = _resolve_tag(checkpoint_dir, tag)
+    model = _load(os.path.join(folder, MODEL_FILE))
+    files = _optim_files(folder)
+    if not files:
+        raise FileNotFoundError(f"no optimizer state files (zero_pp_rank_*_optim_states.pt) in {folder}")
+    groups = model["param_shapes"]
+    flats = None
+    for rank, name in enumerate(files):
+        osd = _load(os.path.join(folder, name))["optimizer_state_dict"]
+        count = osd["partition_count"]
+        if len(files) != count:
+            raise ValueError(f"{folder} holds {len(files)} optimizer state files but they were saved by {count} "
+                             "ranks: possibly an overwrite of an older checkpoint")
+        parts = osd["single_partition_of_fp32_groups"]
+        if flats is None:
+            flats = [torch.empty(count * p.numel(), dtype=torch.float32) for p in parts]
+        for flat, part in zip(flats, parts):
+            flat[rank * part.numel():(rank + 1) * part.numel()].copy_(part)
+        del osd, parts
+    out = OrderedDict()
+    for shapes, flat in zip(groups, flats):
+        offset = 0
+        for pname, shape in shapes.items():
+            n = 1
+            for d in shape:
+                n *= d
+            out[pname] = flat[offset:offset + n].view(*shape).clone()
+            offset += n
+        if offset > flat.numel():
+            raise ValueError(f"{folder}: the partitions hold {flat.numel()} elements, the parameters need {offset}")
+    module = model["module"]
+    if not exclude_frozen_parameters:
+        for pname in model.get("frozen_param_shapes", {}):
+            if pname in module:
+                out[pname] = module[pname].float().clone()
+    for bname in model.get("buffer_names", []):
+        if bname in module:
+            t = module[bname]
+            out[bname] = t.float().clone() if t.is_floating_point() else t.clone()
+    for alias, pname in model.get("shared_params", {}).items():
+        if pname in out:
+            out[alias] = out[pname]
+    return out
+
+
+def _parse_size(size):
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B)\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size {size!r}: write e.g. 5GB or 500MB")
+    return int(float(m.group(1)) * {"B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30, "TB": 2**40}[m.group(2)])
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
+                                               safe_serialization=False, tag=None, exclude_frozen_parameters=False):
+    """Writes pytorch_model.bin (or model.safetensors), sharded with an index file past max_shard_size."""
+    sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    os.makedirs(output_dir, exist_ok=True)
+    limit = _parse_size(max_shard_size)
+    shards, current, size = [], OrderedDict(), 0
+    for name, t in sd.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = OrderedDict(), 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    stem, ext = ("model", "safetensors") if safe_serialization else ("pytorch_model", "bin")
+    names = [f"{stem}.{ext}"] if len(shards) == 1 else [
+        f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}" for i in range(len(shards))]
+    for shard, fname in zip(shards, names):
+        path = os.path.join(output_dir, fname)
+        if safe_serialization:
+            from safetensors.torch import save_file  # optional dependency
+
+            save_file({k: v.contiguous().clone() for k, v in shard.items()}, path, metadata={"format": "pt"})
+        else:
+            torch.save(shard, path)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in sd.values())},
+                 "weight_map": {k: fname for shard, fname in zip(shards, names) for k in shard}}
+        with open(os.path.join(output_dir, f"{stem}.{ext}.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return names
+
+
+def load_state_dict_from_zero_checkpoint(model, checkpoint_dir, tag=None):
+    """Loads the fp32 weights into `model` (moved to CPU) and returns it."""
+    sd = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    model.load_state_dict(sd, strict=False)
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Rebuild a full fp32 state dict from a zero_ext checkpoint")
+    p.add_argument("checkpoint_dir")
+    p.add_argument("output_dir")
+    p.add_argument("-t", "--tag", default=None)
+    p.add_argument("--max_shard_size", default="5GB")
+    p.add_argument("--safe_serialization", action="store_true")
+    p.add_argument("--exclude_frozen_parameters", action="store_true")
+    a = p.parse_args(argv)
+    names = convert_zero_checkpoint_to_fp32_state_dict(a.checkpoint_dir, a.output_dir, a.max_shard_size,
+                                                       a.safe_serialization, a.tag, a.exclude_frozen_parameters)
+    print(f"wrote {', '.join(names)} to {a.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
