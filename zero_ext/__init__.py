@@ -9,6 +9,7 @@
 from .comm import init_distributed
 from .engine import ZeroEngine
 from .initialize import initialize
+from . import utils  # noqa: F401  (zero_ext.utils.safe_get_full_grad, ... as deepspeed.utils)
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 

@@ -247,7 +247,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
             setattr(engine, key, state.get(key, 0))
-    opt.reducer.after_step()  # no gradients carry over a load
+    opt._end_of_step()  # no gradients carry over a load
     client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS}
     if engine.world_size > 1:
         dist.barrier()

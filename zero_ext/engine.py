@@ -46,6 +46,7 @@ class ZeroEngine(torch.nn.Module):
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self.training_dataloader = training_dataloader
         self.optimizer = self._build_zero_optimizer(base_optimizer)
+        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
         self.lr_scheduler = lr_scheduler
 
     # -- construction ---------------------------------------------------------------------------------
@@ -103,12 +104,16 @@ class ZeroEngine(torch.nn.Module):
         if loss.grad_fn is None:
             raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
                                "torch.no_grad(), or from frozen parameters only?)")
+        if self.optimizer.reduced and self.zero_optimization_stage() < 2:
+            raise RuntimeError("engine.backward: this step's gradients were already averaged across ranks (a "
+                               "safe_get/safe_set gradient call); call engine.step() before the next backward")
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._backward_since_step = True
+        self.optimizer.grads_valid = True
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -68,8 +68,11 @@ class FlatGroup:
                 slot.copy_(p.grad.reshape(-1))
         self.attach_lp_grads()
 
-    def param_index(self) -> dict:
-        return {id(p): i for i, p in enumerate(self.params)}
+    def piece_of(self, i: int):
+        """This rank's fragment of parameter i (a planner Piece), or None when it owns none of it."""
+        if not hasattr(self, "_piece_of"):
+            self._piece_of = {p.param: p for p in self.fragments}
+        return self._piece_of.get(i)
 
     def copy_master_to_params(self) -> None:
         """Writes the updated fp32 partition into the model's dtype (a no-op when they are one tensor)."""

@@ -10,6 +10,7 @@ Overflow needs no collective of its own: the global norm is a sum over every ran
 inf or nan anywhere makes it non-finite on every rank, and all ranks skip the same steps.
 """
 import math
+import weakref
 from typing import List, Optional
 
 import torch
@@ -36,6 +37,13 @@ class ZeroOptimizer:
         self.global_grad_norm: Optional[float] = None
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
+        self.grads_valid = False  # between a backward and the step that applies it (state.py's lifecycle)
+        self.reduced = False  # this step's gradients are averaged already
+        self.at_boundary = lambda: True  # the engine replaces it with its own accumulation test
+        # each trainable parameter knows its place, for the state routines (state.py)
+        for gi, g in enumerate(self.flat_groups):
+            for i, p in enumerate(g.params):
+                p._zx_state = (weakref.ref(self), gi, i)
 
     @property
     def cur_scale(self) -> float:
@@ -76,6 +84,17 @@ class ZeroOptimizer:
 
     def reduce_gradients(self) -> None:
         self.reducer.reduce(self.world)
+        self.reduced = True
+
+    def ensure_reduced(self) -> None:
+        """Averages this step's gradients now (once) — for the state routines, which read them early."""
+        if not self.reduced:
+            self.reduce_gradients()
+
+    def _end_of_step(self) -> None:
+        self.reducer.after_step()
+        self.reduced = False
+        self.grads_valid = False
 
     def grad_sq_norm(self) -> float:
         """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank."""
@@ -87,13 +106,13 @@ class ZeroOptimizer:
 
     def step(self) -> bool:
         """One optimizer step; False when it was skipped for an fp16 overflow."""
-        self.reduce_gradients()
+        self.ensure_reduced()
         scale = self.loss_scaler.cur_scale
         norm = math.sqrt(self.grad_sq_norm()) / scale
         self.global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         if self.overflow:
-            self.reducer.after_step()
+            self._end_of_step()
             self.loss_scaler.update(True)
             return False
         combined = 1.0 / scale  # unscale and clip in one pass over the gradients
@@ -109,7 +128,7 @@ class ZeroOptimizer:
             g.copy_master_to_params()
         if self.stage >= 1 and self.world > 1:
             self.all_gather_params()
-        self.reducer.after_step()
+        self._end_of_step()
         self.loss_scaler.update(False)
         return True
 
@@ -124,7 +143,7 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the accumulated gradients (the flat buffers stay; parameters keep their views)."""
-        self.reducer.after_step()
+        self._end_of_step()
 
     def _device(self):
         return self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")

@@ -1,2 +1,7 @@
-"""DeepSpeed's ``deepspeed.utils`` names: ``zero_to_fp32`` (and, with the state-routines issue, safe_get_*)."""
+"""DeepSpeed's ``deepspeed.utils`` names: the state routines (safe_get_* / safe_set_*) and ``zero_to_fp32``."""
+from ..state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,  # noqa: F401
+                     safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
+                     safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
+                     safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
+                     safe_update_full_grad_vectorized)
 from . import zero_to_fp32  # noqa: F401

@@ -1,0 +1,232 @@
+"""safe_get / safe_set (zero_ext.utils) against the single-process reference, stages 0-2."""
+import pytest
+import torch
+
+from harness import RankFailed, run_ranks
+from models import MLP
+
+LR = 1e-2
+# pairwise over stage x world x accumulation
+CASES = [(0, 1, 1), (1, 2, 1), (2, 4, 1), (0, 2, 2), (1, 4, 2), (2, 1, 2), (2, 2, 2), (1, 1, 1), (0, 4, 1)]
+
+
+def _config(stage, gas):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
+
+
+def _batches(world, gas, steps):
+    gen = torch.Generator().manual_seed(3)
+    return [[[MLP.batch(2, gen) for _ in range(world)] for _ in range(gas)] for _ in range(steps)]
+
+
+def _engine(stage, gas):
+    import zero_ext
+
+    torch.manual_seed(0)
+    return zero_ext.initialize(model=MLP(), config=_config(stage, gas))[0]
+
+
+def _reads(stage, world, gas):
+    """Two steps; at the last micro step of each: full and local grads; after each step: params, Adam."""
+    from zero_ext import utils
+
+    rank = torch.distributed.get_rank()
+    engine = _engine(stage, gas)
+    names = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    params = dict(engine.module.named_parameters())
+    out = []
+    for step in _batches(world, gas, 2):
+        for micro in step:
+            engine.backward(engine.module.loss(micro[rank]))
+            if engine.is_gradient_accumulation_boundary():
+                grads = {n: utils.safe_get_full_grad(params[n]) for n in names}
+                local = {n: utils.safe_get_local_grad(params[n]) for n in names}
+            engine.step()
+        out.append({
+            "grads": grads, "local_grads": local,
+            "params": {n: utils.safe_get_full_fp32_param(params[n]) for n in names},
+            "local_params": {n: utils.safe_get_local_fp32_param(params[n]) for n in names},
+            "exp_avg": {n: utils.safe_get_full_optimizer_state(params[n], "exp_avg") for n in names},
+            "local_exp_avg_sq": {n: utils.safe_get_local_optimizer_state(params[n], "exp_avg_sq") for n in names},
+            "exp_avg_sq": {n: utils.safe_get_full_optimizer_state(params[n], "exp_avg_sq") for n in names},
+        })
+    out.append({"frozen": utils.safe_get_full_fp32_param(engine.module.frozen.weight)})
+    return out
+
+
+def _reference(world, gas):
+    torch.manual_seed(0)
+    model = MLP()
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for _, p in trainable], lr=LR, weight_decay=0.1, foreach=False)
+    out = []
+    for step in _batches(world, gas, 2):
+        for micro in step:
+            for r in range(world):
+                loss = model.loss(micro[r])
+                (loss / world / gas).backward() if (world, gas) != (1, 1) else loss.backward()
+        grads = {n: p.grad.clone() for n, p in trainable}
+        opt.step()
+        opt.zero_grad()
+        out.append({"grads": grads, "params": {n: p.detach().clone() for n, p in trainable},
+                    "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in trainable},
+                    "exp_avg_sq": {n: opt.state[p]["exp_avg_sq"].clone() for n, p in trainable}})
+    return out
+
+
+def _close(a, b, exact):
+    if exact:
+        return torch.equal(a, b)
+    return bool(((a - b).abs() <= 1e-5 * (b.abs() + LR) + 1e-7).all())
+
+
+@pytest.mark.parametrize("stage,world,gas", CASES)
+def test_full_and_local_reads_match_the_reference(stage, world, gas):
+    results = run_ranks(world, _reads, stage, world, gas)
+    ref = _reference(world, gas)
+    exact = world == 1
+    for rank_out in results:
+        assert rank_out[-1]["frozen"] is None  # not owned by the engine: None, as in DeepSpeed
+        for got, want in zip(rank_out[:-1], ref):
+            for kind in ("grads", "params", "exp_avg", "exp_avg_sq"):
+                for n, value in want[kind].items():
+                    assert got[kind][n].shape == value.shape
+                    assert _close(got[kind][n], value, exact), f"{kind} {n}"
+    # local pieces, concatenated in rank order, are the full tensor (stage 0: each rank holds it all)
+    ranks = results if stage > 0 else results[:1]
+    for step in range(2):
+        for n, full in results[0][step]["params"].items():
+            pieces = torch.cat([r[step]["local_params"][n] for r in ranks])
+            assert torch.equal(pieces, full.reshape(-1))
+            grads = torch.cat([r[step]["local_grads"][n] for r in ranks])
+            assert torch.equal(grads, results[0][step]["grads"][n].reshape(-1))
+            sq = torch.cat([r[step]["local_exp_avg_sq"][n] for r in ranks])
+            assert torch.equal(sq, results[0][step]["exp_avg_sq"][n].reshape(-1))
+
+
+def _seed_example_zero_params_and_state(stage):
+    """The seed's example: zero every fp32 parameter and Adam state after a step; the next step starts
+    from zero moments (with weight decay on zero weights, the step is Adam's first step from 0)."""
+    from zero_ext import utils
+
+    rank = torch.distributed.get_rank()
+    engine = _engine(stage, 1)
+    batches = _batches(torch.distributed.get_world_size(), 1, 2)
+    engine.backward(engine.module.loss(batches[0][0][rank]))
+    engine.step()
+    for n, lp in engine.module.named_parameters():
+        if not lp.requires_grad:
+            continue
+        zero = torch.zeros(lp.shape)
+        utils.safe_set_full_fp32_param(lp, zero)
+        utils.safe_set_full_optimizer_state(lp, zero, "exp_avg")
+        utils.safe_set_full_optimizer_state(lp, zero, "exp_avg_sq")
+    seen_by_forward = engine.module.head.weight.detach().abs().sum().item()
+    x, y = batches[1][0][rank]
+    engine.backward(engine.module.loss((x, y)))
+    grads = {n: utils.safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    engine.step()
+    return seen_by_forward, grads, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 4), (0, 2)])
+def test_seed_example_zeroing_params_and_adam_state(stage, world):
+    seen, grads, params = run_ranks(world, _seed_example_zero_params_and_state, stage)[0]
+    assert seen == 0.0  # the next forward sees the zeroed weights
+    # Adam from zero moments at step 2: m = (1-b1) g, v = (1-b2) g^2, bias-corrected with t = 2
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    for n, g in grads.items():
+        m, v = (1 - b1) * g, (1 - b2) * g * g
+        update = (m / (1 - b1 ** 2)) / ((v / (1 - b2 ** 2)).sqrt() + eps)
+        assert torch.allclose(params[n], -LR * update, rtol=1e-5, atol=1e-7), n
+
+
+def _seed_example_zero_grads(stage, gas):
+    from zero_ext import utils
+
+    rank = torch.distributed.get_rank()
+    engine = _engine(stage, gas)
+    batches = _batches(torch.distributed.get_world_size(), gas, 1)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    for micro in batches[0]:
+        engine.backward(engine.module.loss(micro[rank]))
+        if engine.is_gradient_accumulation_boundary():
+            for lp in engine.module.parameters():
+                if lp.requires_grad:
+                    utils.safe_set_full_grad(lp, torch.zeros(lp.shape))
+        engine.step()
+    return before, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 2), (2, 2)])
+def test_seed_example_zeroing_gradients_before_step(stage, gas):
+    before, after = run_ranks(2, _seed_example_zero_grads, stage, gas)[0]
+    # zero gradients: Adam's update is 0/(0+eps) = 0, only decoupled weight decay moves the weights
+    for n in before:
+        assert torch.allclose(after[n], before[n] * (1 - LR * 0.1), rtol=0, atol=1e-7) or n.startswith("frozen")
+
+
+def _set_then_get(stage):
+    from zero_ext import utils
+
+    rank = torch.distributed.get_rank()
+    engine = _engine(stage, 1)
+    p = engine.module.body.weight
+    batches = _batches(torch.distributed.get_world_size(), 1, 1)
+    engine.backward(engine.module.loss(batches[0][0][rank]))
+    g = torch.arange(p.numel(), dtype=torch.float32).view(p.shape) / 100
+    utils.safe_update_full_grad_vectorized([p, engine.module.head.weight], lambda old, param: old * 0 + 1
+                                           if param is not p else g)
+    got_g = utils.safe_get_full_grad(p)
+    ones = utils.safe_get_full_grad(engine.module.head.weight)
+    local = utils.safe_get_local_fp32_param(p)
+    utils.safe_set_local_fp32_param(p, torch.full_like(local, 0.5))
+    engine.step()
+    new = torch.full(p.shape, 0.25)
+    utils.safe_set_full_fp32_param(p, new)
+    return torch.equal(got_g, g), bool((ones == 1).all()), torch.equal(utils.safe_get_full_fp32_param(p), new)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_set_then_get(stage):
+    assert run_ranks(2, _set_then_get, stage) == [(True, True, True)] * 2
+
+
+def _grad_lifecycle(stage, gas, when):
+    from zero_ext import utils
+
+    rank = torch.distributed.get_rank()
+    engine = _engine(stage, gas)
+    batches = _batches(torch.distributed.get_world_size(), gas, 1)
+    if when == "before backward":
+        return utils.safe_get_full_grad(engine.module.head.weight)
+    engine.backward(engine.module.loss(batches[0][0][rank]))
+    if when == "mid accumulation":
+        return utils.safe_get_local_grad(engine.module.head.weight)
+    engine.step()
+    return utils.safe_get_full_grad(engine.module.head.weight)
+
+
+@pytest.mark.parametrize("stage,gas,when,message", [
+    (2, 1, "before backward", "there are no gradients now"),
+    (1, 1, "after step", "there are no gradients now"),
+    (1, 2, "mid accumulation", "averaged across ranks only at the gradient-accumulation boundary"),
+])
+def test_gradients_outside_their_lifetime_are_errors(stage, gas, when, message):
+    with pytest.raises(RankFailed, match=message):
+        run_ranks(2, _grad_lifecycle, stage, gas, when)
+
+
+def test_stage_2_gradients_mid_accumulation_are_the_sum_so_far():
+    local = run_ranks(2, _grad_lifecycle, 2, 2, "mid accumulation")
+    assert all(t.abs().sum() > 0 for t in local if t.numel())
+
+
+def test_missing_optimizer_state_key_is_named():
+    from zero_ext import utils
+
+    engine = _engine(1, 1)
+    with pytest.raises(KeyError, match="'exp_avg' is not in the optimizer state.*first step"):
+        utils.safe_get_full_optimizer_state(engine.module.head.weight, "exp_avg")

@@ -1,0 +1,209 @@
+"""safe_get / safe_set: read and change partitioned state one parameter at a time (stages 0-2).
+
+Where a parameter's elements live is the planner's fragment map (csrc/partition.c): in stages 1/2 each
+parameter is one contiguous run of its group's flat buffer, so this rank holds at most one fragment of
+it. Full forms rebuild the whole tensor from every rank's fragment (an all-reduce of a zero buffer
+holding this rank's fragment) and are therefore **collective**: every rank must call them, with the
+same parameter. Local forms touch only this rank's fragment: a 1-D tensor, possibly empty (DeepSpeed
+refuses local forms below stage 3). Stage 0 keeps everything on every rank: full and local forms agree.
+
+Gradients exist after ``engine.backward()`` and before the ``engine.step()`` that applies them; during
+accumulation they are the (averaged) sum so far. Stages 0/1 reduce gradients only at the accumulation
+boundary, so there their gradients can be read or set only after the last micro step's backward; the
+first access reduces them (a collective, even for the local forms). Values are fp32, unscaled by the
+fp16 loss scale, on the compute device. A parameter the engine does not own (frozen, or not in the
+engine) gives None, as in DeepSpeed; setters ignore it.
+"""
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class _Where:
+    """One parameter's place: its ZeRO optimizer, flat group, index, and this rank's fragment."""
+
+    def __init__(self, opt, gi: int, i: int):
+        self.opt, self.g, self.i = opt, opt.flat_groups[gi], i
+        piece = self.g.piece_of(i)
+        self.param_offset = piece.param_offset if piece else 0
+        self.part_offset = piece.part_offset if piece else 0
+        self.length = piece.length if piece else 0
+
+    @property
+    def numel(self) -> int:
+        return self.g.numels[self.i]
+
+    def local(self, partition: torch.Tensor) -> torch.Tensor:
+        """This rank's fragment of the parameter inside a partition-shaped flat tensor (a view)."""
+        return partition[self.part_offset:self.part_offset + self.length]
+
+    def full(self, partition: torch.Tensor, shape) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=torch.float32, device=partition.device)
+        out[self.param_offset:self.param_offset + self.length] = self.local(partition)
+        if self.g.partitioned and self.g.world > 1:
+            dist.all_reduce(out)
+        return out.view(shape)
+
+    def fragment_of(self, full_value: torch.Tensor) -> torch.Tensor:
+        flat = full_value.reshape(-1)
+        if flat.numel() != self.numel:
+            raise ValueError(f"the value has {flat.numel()} elements, the parameter {self.numel}")
+        return flat[self.param_offset:self.param_offset + self.length]
+
+
+def _where(param) -> Optional[_Where]:
+    owner = getattr(param, "_zx_state", None)
+    if owner is None:
+        return None
+    opt = owner[0]()
+    return None if opt is None else _Where(opt, owner[1], owner[2])
+
+
+def _grads(w: _Where, what: str) -> torch.Tensor:
+    """This rank's fp32 gradient partition of w's group, reduced; after the lifecycle checks."""
+    opt = w.opt
+    if not opt.grads_valid:
+        raise RuntimeError(f"{what}: there are no gradients now. Gradients exist after engine.backward() and "
+                           "before the engine.step() that applies them (the step consumes and clears them).")
+    if opt.stage < 2 and not opt.at_boundary():
+        raise RuntimeError(f"{what}: in ZeRO stage {opt.stage} gradients are averaged across ranks only at the "
+                           "gradient-accumulation boundary; call it after the backward of the last micro step "
+                           "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
+    opt.ensure_reduced()
+    return w.g.grad
+
+
+def _state(w: _Where, key: str, what: str) -> torch.Tensor:
+    state = w.opt.optimizer.state.get(w.g.master, {})
+    if key not in state or not torch.is_tensor(state[key]) or state[key].dim() == 0:
+        have = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+        raise KeyError(f"{what}: {key!r} is not in the optimizer state (it holds {have}); "
+                       "Adam creates exp_avg / exp_avg_sq at the first step()")
+    return state[key]
+
+
+def _value(value: torch.Tensor, w: _Where) -> torch.Tensor:
+    return value.detach().to(device=w.g.master.device, dtype=torch.float32)
+
+
+# -- read -------------------------------------------------------------------------------------------------
+
+def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
+    """The fp32 master weights of param, full shape. Collective."""
+    w = _where(param)
+    return None if w is None else w.full(w.g.master.detach(), param.shape)
+
+
+def safe_get_full_grad(param) -> Optional[torch.Tensor]:
+    """The averaged fp32 gradient of param, full shape, unscaled. Collective."""
+    w = _where(param)
+    if w is None:
+        return None
+    return w.full(_grads(w, "safe_get_full_grad"), param.shape) / w.opt.cur_scale
+
+
+def safe_get_full_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
+    """The optimizer state ``optim_state_key`` (e.g. "exp_avg") of param, full shape. Collective."""
+    w = _where(param)
+    return None if w is None else w.full(_state(w, optim_state_key, "safe_get_full_optimizer_state"), param.shape)
+
+
+def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
+    """This rank's fragment of param's fp32 master weights (1-D, possibly empty)."""
+    w = _where(param)
+    return None if w is None else w.local(w.g.master.detach()).clone()
+
+
+def safe_get_local_grad(param) -> Optional[torch.Tensor]:
+    """This rank's fragment of param's averaged fp32 gradient (1-D, unscaled)."""
+    w = _where(param)
+    return None if w is None else w.local(_grads(w, "safe_get_local_grad")) / w.opt.cur_scale
+
+
+def safe_get_local_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
+    """This rank's fragment of param's optimizer state ``optim_state_key`` (1-D)."""
+    w = _where(param)
+    return None if w is None else w.local(_state(w, optim_state_key, "safe_get_local_optimizer_state")).clone()
+
+
+# -- write ------------------------------------------------------------------------------------------------
+
+def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
+    """Sets param's fp32 master weights and the model's copy (the next forward sees it). Every rank
+    passes the same full value."""
+    w = _where(param)
+    if w is None:
+        return
+    value = _value(value, w)
+    with torch.no_grad():
+        w.local(w.g.master).copy_(w.fragment_of(value))
+        param.data.copy_(value.view(param.shape))
+
+
+def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
+    """Sets this rank's fragment of param's fp32 master weights (and of its model copy; the other ranks'
+    copies follow at the next step's all-gather)."""
+    w = _where(param)
+    if w is None:
+        return
+    value = _value(value, w).reshape(-1)
+    if value.numel() != w.length:
+        raise ValueError(f"safe_set_local_fp32_param: this rank's fragment has {w.length} elements, the value "
+                         f"{value.numel()}")
+    with torch.no_grad():
+        w.local(w.g.master).copy_(value)
+        lo = w.g.lo + w.part_offset
+        w.g.flat[lo:lo + w.length].copy_(value)
+
+
+def safe_set_full_grad(param, value: torch.Tensor) -> None:
+    """Sets param's averaged gradient: what the next step() applies. Every rank passes the same value."""
+    w = _where(param)
+    if w is None:
+        return
+    grads = _grads(w, "safe_set_full_grad")
+    w.local(grads).copy_(w.fragment_of(_value(value, w)) * w.opt.cur_scale)
+
+
+def safe_set_local_grad(param, value: torch.Tensor) -> None:
+    """Sets this rank's fragment of param's averaged gradient."""
+    w = _where(param)
+    if w is None:
+        return
+    grads = _grads(w, "safe_set_local_grad")
+    value = _value(value, w).reshape(-1)
+    if value.numel() != w.length:
+        raise ValueError(f"safe_set_local_grad: this rank's fragment has {w.length} elements, the value "
+                         f"{value.numel()}")
+    w.local(grads).copy_(value * w.opt.cur_scale)
+
+
+def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
+    """Sets param's optimizer state ``optim_state_key``. Every rank passes the same full value."""
+    w = _where(param)
+    if w is None:
+        return
+    state = _state(w, optim_state_key, "safe_set_full_optimizer_state")
+    w.local(state).copy_(w.fragment_of(_value(value, w)))
+
+
+def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
+    """Sets this rank's fragment of param's optimizer state ``optim_state_key``."""
+    w = _where(param)
+    if w is None:
+        return
+    state = _state(w, optim_state_key, "safe_set_local_optimizer_state")
+    value = _value(value, w).reshape(-1)
+    if value.numel() != w.length:
+        raise ValueError(f"safe_set_local_optimizer_state: this rank's fragment has {w.length} elements, the "
+                         f"value {value.numel()}")
+    w.local(state).copy_(value)
+
+
+def safe_update_full_grad_vectorized(param_list: Iterable, update_func: Callable) -> None:
+    """For each param: ``new = update_func(full_grad, param)``, then set it. Collective."""
+    for p in param_list:
+        old = safe_get_full_grad(p)
+        if old is not None:
+            safe_set_full_grad(p, update_func(old, p))
