@@ -30,4 +30,4 @@ def test_docs_example_runs_on_two_ranks(code):
 
 
 def test_the_debugging_page_has_its_examples():
-    assert len([p for p in _examples() if "debugging.md" in p.id]) == 2
+    assert len([p for p in _examples() if "debugging.md" in p.id]) == 3

@@ -9,10 +9,12 @@
 from .comm import init_distributed
 from .engine import ZeroEngine
 from .initialize import initialize
+from .offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 from . import utils  # noqa: F401  (zero_ext.utils.safe_get_full_grad, ... as deepspeed.utils)
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 
 __version__ = "0.1.0"
 
-__all__ = ["init_distributed", "initialize", "ZeroEngine", "DeepSpeedEngine", "__version__"]
+__all__ = ["init_distributed", "initialize", "ZeroEngine", "DeepSpeedEngine", "OffloadDeviceEnum",
+           "OffloadStateTypeEnum", "__version__"]

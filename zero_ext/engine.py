@@ -44,6 +44,7 @@ class ZeroEngine(torch.nn.Module):
         self._backward_since_step = False
         self._boundary_override: Optional[bool] = None
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
+        self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload_states.py)
         self.training_dataloader = training_dataloader
         self.optimizer = self._build_zero_optimizer(base_optimizer)
         self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
@@ -91,7 +92,14 @@ class ZeroEngine(torch.nn.Module):
                                      f"'{type(module).__name__}') has no attribute '{name}'") from None
 
     def forward(self, *args, **kwargs):
+        self._require_loaded("forward", ("lp_params",))
         return self.module(*args, **kwargs)
+
+    def _require_loaded(self, what: str, kinds=None) -> None:
+        parked = sorted(k.value for k in self._offloaded if kinds is None or k.value in kinds)
+        if parked:
+            raise RuntimeError(f"engine.{what}: {', '.join(parked)} are offloaded to host memory; call "
+                               "engine.reload_states() first")
 
     # -- training ---------------------------------------------------------------------------------------
 
@@ -104,6 +112,7 @@ class ZeroEngine(torch.nn.Module):
         if loss.grad_fn is None:
             raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
                                "torch.no_grad(), or from frozen parameters only?)")
+        self._require_loaded("backward", ("lp_params", "lp_grads"))
         if self.optimizer.reduced and self.zero_optimization_stage() < 2:
             raise RuntimeError("engine.backward: this step's gradients were already averaged across ranks (a "
                                "safe_get/safe_set gradient call); call engine.step() before the next backward")
@@ -134,6 +143,7 @@ class ZeroEngine(torch.nn.Module):
         self._backward_since_step = False
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            self._require_loaded("step")
             self._step_applied = self.optimizer.step()
             if self._step_applied:
                 if self.lr_scheduler is not None:
@@ -208,7 +218,9 @@ class ZeroEngine(torch.nn.Module):
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
-        account = MemoryAccount(self.device)
+        from .offload_states import offloaded_tensors
+
+        account = MemoryAccount(self.device, host=offloaded_tensors(self))
         for kind, tensor in self.optimizer.tensors():
             account.add(kind, tensor)
         for p in self.module.parameters():
@@ -272,6 +284,20 @@ class ZeroEngine(torch.nn.Module):
         return True
 
     save_fp16_model = save_16bit_model
+
+    # -- offload_states / reload_states (offload_states.py) ----------------------------------------------
+
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
+        """Moves the chosen kinds of state (OffloadStateTypeEnum; default all) to host memory."""
+        from .offload_states import offload_states
+
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Brings every offloaded state back to the compute device, bit for bit."""
+        from .offload_states import reload_states
+
+        reload_states(self, non_blocking)
 
     def destroy(self) -> None:
         """Removes the hooks the engine installed (stage 2)."""

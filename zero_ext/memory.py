@@ -10,8 +10,10 @@ TIERS = ("accelerator", "host", "nvme")
 class MemoryAccount:
     """Adds tensors under a kind; bytes already counted (views, aliases) are not counted again."""
 
-    def __init__(self, compute_device: torch.device):
+    def __init__(self, compute_device: torch.device, host=()):
         self.compute_device = torch.device(compute_device)
+        # tensors the engine placed in host memory (offloaded), whatever device they sit on
+        self.host_storages = {(str(t.device), t.untyped_storage().data_ptr()) for t in host}
         self.bytes = {kind: {tier: 0 for tier in TIERS} for kind in KINDS}
         self.claimed: Dict[Tuple[str, int], List[Tuple[int, int]]] = {}  # storage -> byte ranges
 
@@ -32,7 +34,9 @@ class MemoryAccount:
         # the claimed ranges are kept disjoint, so the overlaps above add up exactly
         if new > 0:
             self._claim(ranges, start, end)
-            self.bytes[kind][tier or self.tier_of(t)] += new
+            if tier is None:
+                tier = "host" if key in self.host_storages else self.tier_of(t)
+            self.bytes[kind][tier] += new
 
     @staticmethod
     def _claim(ranges, start, end):

@@ -1,0 +1,114 @@
+"""engine.offload_states() / reload_states(): placement by tier, bit-for-bit round trips, guards."""
+import pytest
+import torch
+
+from harness import RankFailed, run_ranks
+from models import MLP
+
+KIND_OF_MEMORY = {"optim_states": ["optimizer_state"], "hp_params": ["fp32_master"], "lp_params": ["params"],
+                  "lp_grads": ["grads", "fp32_grads"], "contiguous_grad_buffer": ["comm_buffers"]}
+
+
+def _engine(stage, dtype):
+    import zero_ext
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": dtype == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}}
+    return zero_ext.initialize(model=MLP(), config=config)[0]
+
+
+def _train(engine, steps, seed):
+    gen = torch.Generator().manual_seed(seed + torch.distributed.get_rank())
+    dt = next(engine.module.parameters()).dtype
+    for _ in range(steps):
+        engine.backward(engine.module.loss(MLP.batch(2, gen, dt)))
+        engine.step()
+
+
+def _snapshot(engine):
+    from zero_ext import utils
+
+    ps = [p for p in engine.module.parameters() if p.requires_grad]
+    return ([utils.safe_get_local_fp32_param(p) for p in ps] +
+            [utils.safe_get_local_optimizer_state(p, k) for p in ps for k in ("exp_avg", "exp_avg_sq")] +
+            [p.detach().clone() for p in engine.module.parameters()])
+
+
+def _round_trips(stage, dtype):
+    from zero_ext import OffloadStateTypeEnum
+    from zero_ext.runtime.zero.offload_states import get_state_devices
+
+    engine = _engine(stage, dtype)
+    _train(engine, 2, 0)
+    report = {}
+    for kind in [None] + [k.value for k in OffloadStateTypeEnum]:
+        before = _snapshot(engine)
+        table_before = engine.memory_breakdown()
+        engine.offload_states(include=None if kind is None else [kind])
+        table = engine.memory_breakdown()
+        devices = {k.value: get_state_devices(engine, k) for k in OffloadStateTypeEnum}
+        errors = []
+        x = MLP.batch(2, torch.Generator(), next(engine.module.buffers()).dtype)[0]
+        for call in (lambda: engine.step(), lambda: engine(x)):
+            try:
+                engine._backward_since_step = True  # reach the boundary check of step()
+                call()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        engine._backward_since_step = False
+        engine.reload_states()
+        after = _snapshot(engine)
+        report[kind] = {"same": all(torch.equal(a, b) for a, b in zip(before, after)), "before": table_before,
+                        "offloaded": table, "reloaded": engine.memory_breakdown(), "devices": devices,
+                        "errors": errors}
+    _train(engine, 2, 1)
+    return report, [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _no_round_trip(stage, dtype):
+    engine = _engine(stage, dtype)
+    _train(engine, 2, 0)
+    _train(engine, 2, 1)
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")])
+def test_round_trips_are_bit_exact_and_move_the_kind_to_the_host_tier(stage, dtype):
+    (report, params), _ = run_ranks(2, _round_trips, stage, dtype)
+    reference = run_ranks(2, _no_round_trip, stage, dtype)[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, reference))  # training went on as if nothing happened
+    for kind, r in report.items():
+        assert r["same"], kind
+        # everything returns to the accelerator tier (bucket buffers come back at the next backward)
+        assert {k: v for k, v in r["reloaded"].items() if k not in ("comm_buffers", "total")} == \
+            {k: v for k, v in r["before"].items() if k not in ("comm_buffers", "total")}, kind
+        moved = [m for k, ms in KIND_OF_MEMORY.items() if kind is None or k == kind for m in ms]
+        for memory_kind in moved:
+            before = r["before"][memory_kind]["accelerator"]
+            if memory_kind == "comm_buffers":
+                assert r["offloaded"][memory_kind]["accelerator"] == 0  # freed, not copied
+            elif memory_kind == "fp32_master" and dtype == "fp32":
+                assert r["offloaded"][memory_kind] == r["before"][memory_kind]  # it is the params: nothing to move
+            else:
+                assert r["offloaded"][memory_kind]["accelerator"] == 0, (kind, memory_kind)
+                assert r["offloaded"][memory_kind]["host"] == before, (kind, memory_kind)
+        assert "offloaded to host memory; call engine.reload_states() first" in r["errors"][0]  # step()
+        if kind in (None, "lp_params"):
+            assert "engine.forward: lp_params are offloaded" in r["errors"][1]
+        else:
+            assert len(r["errors"]) == 1  # forward runs
+        assert r["devices"]["optim_states"] == {torch.device("cpu")}
+
+
+def _step_while_offloaded():
+    engine = _engine(1, "fp32")
+    _train(engine, 1, 0)
+    engine.offload_states(include=["optim_states"])
+    _train(engine, 1, 0)
+
+
+def test_step_while_offloaded_is_an_error():
+    with pytest.raises(RankFailed, match=r"engine.step: optim_states are offloaded .*reload_states\(\) first"):
+        run_ranks(1, _step_while_offloaded)

@@ -1,0 +1,134 @@
+"""engine.offload_states() / reload_states(): park training state in host memory between phases.
+
+    engine.offload_states()        # e.g. before evaluation or generation that needs the device memory
+    ...
+    engine.reload_states()         # back, bit for bit; training goes on as if nothing happened
+
+Kinds (``OffloadStateTypeEnum``, DeepSpeed's names), for stages 0-2:
+- ``optim_states``: the base optimizer's state tensors (Adam's moments);
+- ``hp_params``: the fp32 master partitions — when the model is fp32 they *are* the parameters'
+  partition (no copy exists), so this kind moves nothing and ``lp_params`` carries them;
+- ``lp_params``: the model's parameters (the flat buffers their ``.data`` are views of, and the
+  frozen parameters);
+- ``lp_grads``: the gradient buffers (stages 0/1: the flat buffer ``.grad`` are views of; every stage:
+  the fp32 gradient partitions);
+- ``contiguous_grad_buffer``: stage 2's bucket buffers — freed, not copied (they hold nothing between
+  steps) and allocated again at the next backward.
+Tensors keep their identity (their ``.data`` is moved), so optimizer state keys and user references
+stay valid. On a CPU-only machine the compute device is the CPU: the engine still records the
+placement, and ``memory_breakdown()`` reports the offloaded kinds under the host tier. ``step()`` or a
+forward while states are offloaded is an error, not silent corruption.
+"""
+from enum import Enum
+from typing import Iterable, Optional, Set
+
+import torch
+
+
+class OffloadDeviceEnum(str, Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, Enum):
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+def _move(t: torch.Tensor, device, pin: bool, non_blocking: bool) -> None:
+    """Moves t's data to device, keeping the tensor object (and so every reference to it)."""
+    if t.device == torch.device(device):
+        return
+    new = t.data.to(device, non_blocking=non_blocking)
+    if pin and new.device.type == "cpu" and torch.cuda.is_available():
+        new = new.pin_memory()
+    t.data = new
+
+
+def _kind_tensors(engine, kind: OffloadStateTypeEnum):
+    """The tensors of one kind, as (tensor, views-to-repoint) pairs."""
+    opt = engine.optimizer
+    out = []
+    for g in opt.flat_groups:
+        aliased = g.master.data_ptr() == g.flat[g.lo:g.hi].data_ptr()
+        if kind == OffloadStateTypeEnum.lp_params:
+            out.append(g.flat)
+        elif kind == OffloadStateTypeEnum.hp_params and not aliased:
+            out.append(g.master)
+        elif kind == OffloadStateTypeEnum.lp_grads:
+            if g.lp_grad is not None:
+                out.append(g.lp_grad)
+            if g.lp_grad is None or g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
+                out.append(g.grad)
+    if kind == OffloadStateTypeEnum.lp_params:
+        out += [p for p in engine.module.parameters() if not p.requires_grad]
+    if kind == OffloadStateTypeEnum.optim_states:
+        for state in opt.optimizer.state.values():
+            out += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+    return out
+
+
+def _repoint(engine) -> None:
+    """Views follow their bases: parameters, fp32 masters of fp32 models, gradients of stages 0/1."""
+    for g in engine.optimizer.flat_groups:
+        for p, off, n in zip(g.params, g.offsets, g.numels):
+            p.data = g.flat[off:off + n].view(p.shape)
+        if g.master.dtype == g.flat.dtype:  # fp32: the master is the parameters' partition
+            g.master.data = g.flat[g.lo:g.hi]
+        if g.lp_grad is not None:
+            g.attach_lp_grads()
+            if g.grad.dtype == g.lp_grad.dtype:
+                g.grad.data = g.lp_grad[g.lo:g.hi]
+        g.master.grad = g.grad
+
+
+def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
+                   non_blocking: bool = False) -> None:
+    if OffloadDeviceEnum(device) != OffloadDeviceEnum.cpu:
+        raise ValueError(f"offload_states: device {device!r} is not supported; states offload to 'cpu'")
+    kinds = [OffloadStateTypeEnum(k) for k in include] if include is not None else list(OffloadStateTypeEnum)
+    for kind in kinds:
+        if kind in engine._offloaded:
+            continue
+        if kind == OffloadStateTypeEnum.contiguous_grad_buffer:
+            reducer = engine.optimizer.reducer
+            if getattr(reducer, "buffers", None):
+                reducer.wait_all()
+                reducer.buffers = []  # nothing lives in them between steps: free, reallocate on use
+        else:
+            for t in _kind_tensors(engine, kind):
+                _move(t, "cpu", pin_memory, non_blocking)
+        engine._offloaded.add(kind)
+    _repoint(engine)
+
+
+def reload_states(engine, non_blocking: bool = False) -> None:
+    for kind in list(engine._offloaded):
+        if kind != OffloadStateTypeEnum.contiguous_grad_buffer:
+            for t in _kind_tensors(engine, kind):
+                _move(t, engine.device, False, non_blocking)
+        engine._offloaded.discard(kind)
+    _repoint(engine)
+
+
+def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
+    """The devices holding one kind of the engine's state (empty when it holds none)."""
+    engine = model
+    state = OffloadStateTypeEnum(state)
+    if state == OffloadStateTypeEnum.contiguous_grad_buffer:
+        return {b.device for b in getattr(engine.optimizer.reducer, "buffers", [])}
+    if state == OffloadStateTypeEnum.hp_params:
+        return {g.master.device for g in engine.optimizer.flat_groups}
+    return {t.device for t in _kind_tensors(engine, state)}
+
+
+def offloaded_tensors(engine):
+    """Tensors of the offloaded kinds (memory accounting puts them under the host tier)."""
+    return [t for kind in engine._offloaded if kind != OffloadStateTypeEnum.contiguous_grad_buffer
+            for t in _kind_tensors(engine, kind)] + (
+        [g.master for g in engine.optimizer.flat_groups] if OffloadStateTypeEnum.lp_params in engine._offloaded
+        else [])

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.runtime.zero`` import paths."""
