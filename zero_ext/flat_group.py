@@ -80,8 +80,9 @@ class FlatGroup:
             self.flat[self.lo:self.hi].copy_(self.master)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's fp32 gradient partition (padding is zero), in fp64."""
-        return self.grad.double().pow(2).sum()
+        """Sum of squares of this rank's fp32 gradient partition (padding is zero), as an fp64 scalar.
+        One fp32 norm kernel, squared in fp64: no partition-sized temporary."""
+        return torch.linalg.vector_norm(self.grad).double() ** 2
 
     def tensors(self):
         """(kind, tensor) of every tensor this group holds, for memory accounting."""

@@ -21,6 +21,21 @@ from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
 
 
+_INTO_TENSOR = [True]  # whether this torch's backend has all_gather_into_tensor
+
+
+def _gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, pg) -> bool:
+    """all_gather_into_tensor where the backend has it (gloo in older torch does not): False otherwise."""
+    if not _INTO_TENSOR[0]:
+        return False
+    try:
+        dist.all_gather_into_tensor(out, inp, group=pg)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        _INTO_TENSOR[0] = False
+        return False
+
+
 class ZeroOptimizer:
     """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's."""
 
@@ -136,6 +151,8 @@ class ZeroOptimizer:
         """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""
         for g in self.flat_groups:
             chunk = planner.allgather_chunk(g.part, self.world, self.allgather_bucket_size)
+            if chunk >= g.part and _gather_into_tensor(g.flat, g.flat[g.lo:g.hi].clone(), self.pg):
+                continue  # the flat buffer is rank-major partitions: one call fills it in place
             for a in range(0, g.part, chunk):
                 b = min(g.part, a + chunk)
                 outputs = [g.flat[r * g.part + a:r * g.part + b] for r in range(self.world)]

@@ -1,0 +1,217 @@
+"""Step time and memory per rank: zero_ext's ZeRO stages against torch DDP, CPU gloo, 2 ranks.
+
+    python benchmarks/bench_step.py [--steps 8] [--warmup 2] [--configs z1,z2]
+
+The model is demo/model.py's GPT at ~19M parameters (d 512, 6 layers, byte vocabulary), fp32, AdamW,
+gradient clipping at 1.0, the same random batches for every configuration. Each configuration runs in
+a fresh pair of spawned processes, so ru_maxrss is that configuration's own peak. A step's time is the
+slower rank's (both start from a barrier); the table shows the best of the timed steps (the least
+disturbed by other processes on the machine) and their median. Ratios are
+against DDP measured in the same run, never against numbers from another day. Every stage the config
+accepts is measured (stage 3 joins once zero_ext.config stops refusing it).
+"""
+import argparse
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's zero_ext, and the demo's model
+
+import zero_ext  # noqa: E402
+from demo.model import GPT, count_params, lm_loss  # noqa: E402
+from zero_ext.config import UnimplementedFeatureError, reject_unimplemented  # noqa: E402
+
+WORLD = 2
+MiB = 2 ** 20
+# DDP's default bucket (bucket_cap_mb=25) in fp32 elements; zero_ext's buckets get the same size
+BUCKET = 25 * MiB // 4
+LR = 1e-4
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--block", type=int, default=128)
+    p.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(ZERO_CONFIGS))
+    p.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
+    return p.parse_args()
+
+
+# name -> (ZeRO stage, overlap_comm); overlap_comm None is DeepSpeed's default (on for stage 3 only)
+ZERO_CONFIGS = {"z0": (0, None), "z1": (1, None), "z2": (2, None), "z2-overlap": (2, True), "z3": (3, None)}
+
+
+def zero_config(name: str, batch: int = 1) -> dict:
+    stage, overlap = ZERO_CONFIGS[name]
+    zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
+    if overlap is not None:
+        zero["overlap_comm"] = overlap
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+
+
+def accepted_configs():
+    out = []
+    for name in ZERO_CONFIGS:
+        try:
+            reject_unimplemented(zero_config(name))
+            out.append(name)
+        except UnimplementedFeatureError:
+            pass
+    return out
+
+
+def build_model(block: int) -> GPT:
+    torch.manual_seed(0)
+    return GPT(256, d=512, heads=8, layers=6, block=block)
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# -- the two trainers: each returns (step(x, y), tensor_bytes()) ------------------------------------------
+
+def ddp_trainer(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # grads as views of DDP's buckets: no second copy of the gradients, so params + grads + Adam state
+    # is what DDP holds
+    ddp = DDP(model, gradient_as_bucket_view=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+    def step(x, y):
+        lm_loss(ddp(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    def tensor_bytes():
+        tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
+        tensors += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        return sum(t.numel() * t.element_size() for t in tensors)
+    return step, tensor_bytes
+
+
+def zero_trainer(model, name: str, batch: int):
+    engine, _, _, _ = zero_ext.initialize(model=model, config=zero_config(name, batch))
+
+    def step(x, y):
+        engine.backward(lm_loss(engine(x), y))
+        engine.step()
+
+    def tensor_bytes():
+        return sum(engine.memory_breakdown()["total"].values())
+    return step, tensor_bytes
+
+
+def worker(rank: int, name: str, args, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    baseline = rss_mib()
+    model = build_model(args.block)
+    step, tensor_bytes = ddp_trainer(model) if name == "ddp" else zero_trainer(model, name, args.batch)
+    gen = torch.Generator().manual_seed(100 + rank)  # the same batches for every configuration
+    times = []
+    for _ in range(args.warmup + args.steps):
+        x = torch.randint(0, 256, (args.batch, args.block + 1), generator=gen)
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(x[:, :-1], x[:, 1:])
+        times.append(time.perf_counter() - t0)
+    # the slower rank's time, step by step
+    timed = torch.tensor(times[args.warmup:], dtype=torch.float64)
+    dist.all_reduce(timed, op=dist.ReduceOp.MAX)
+    queue.put({"rank": rank, "times": timed.tolist(), "rss": rss_mib(), "baseline": baseline,
+               "tensors": tensor_bytes(), "params": count_params(model)})
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_config(name: str, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = mp.start_processes(worker, args=(name, args, free_port(), queue), nprocs=WORLD, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + args.timeout
+    while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.kill()
+            raise TimeoutError(f"{name}: no result within {args.timeout:.0f} s")
+    results = sorted((queue.get() for _ in range(WORLD)), key=lambda r: r["rank"])
+    return {"step": statistics.median(results[0]["times"]), "best": min(results[0]["times"]),
+            "rss": [r["rss"] for r in results], "baseline": [r["baseline"] for r in results],
+            "tensors": [r["tensors"] for r in results], "params": results[0]["params"]}
+
+
+def print_table(rows, args) -> None:
+    ref = rows["ddp"]
+    params = ref["params"]
+    print(f"\nCPU gloo, {WORLD} ranks, 1 thread each; GPT {params / 1e6:.1f}M params fp32, AdamW, clip 1.0; "
+          f"{args.batch} x {args.block} tokens per rank per step; best and median of {args.steps} timed "
+          f"steps after {args.warmup} warm-up")
+    head = ["config", "step time (s): best (median)", "ratio vs DDP", "peak RSS MiB per rank", "tensor MiB per rank",
+            "ratio vs DDP"]
+    body = []
+    for name, r in rows.items():
+        body.append([name, f"{r['best']:.3f} ({r['step']:.3f})", f"{r['best'] / ref['best']:.2f}",
+                     " / ".join(f"{x:.0f}" for x in r["rss"]),
+                     " / ".join(f"{x / MiB:.1f}" for x in r["tensors"]),
+                     f"{max(r['tensors']) / max(ref['tensors']):.2f}"])
+    widths = [max(len(row[i]) for row in body + [head]) for i in range(len(head))]
+    for row in [head, ["-" * w for w in widths]] + body:
+        print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    base = max(b for r in rows.values() for b in r["baseline"])
+    load = f"{args.load:.1f} ({os.cpu_count()} CPUs): " + (
+        "other work competes for the cores, so times are noisy" if args.load > 0.5 else "quiet")
+    print(f"""
+notes:
+- load average at start {load}.
+- per rank = rank 0 / rank 1. Peak RSS includes the interpreter with torch and zero_ext imported
+  ({base:.0f} MiB before the model is built) and each step's transient tensors (activations, autograd's
+  gradients, the optimizer's temporaries), which tensor MiB does not count.
+- tensor MiB: zero_ext's engine.memory_breakdown() total; DDP's params + grads + AdamW state (DDP runs with
+  gradient_as_bucket_view=True, so its buckets are the grads). Unsharded fp32 Adam is 16 bytes/param =
+  {16 * params / MiB:.1f} MiB.
+- buckets: DDP's 25 MiB; zero_ext reduce/allgather_bucket_size {BUCKET:,} elements (the same 25 MiB in fp32);
+  overlap_comm is DeepSpeed's default (off) except in z2-overlap, which alternates two bucket buffers.
+- on gloo, stage 2's reduce-to-owner is one dist.reduce per owner per bucket, and stage 1 emulates
+  reduce-scatter with an all-reduce of which each rank keeps its partition (twice a reduce-scatter's traffic).""")
+
+
+def main():
+    args = parse_args()
+    args.load = os.getloadavg()[0]
+    names = ["ddp"] + accepted_configs()
+    if args.configs:
+        wanted = args.configs.split(",")
+        names = ["ddp"] + [n for n in names if n in wanted and n != "ddp"]  # ratios need DDP
+    rows = {}
+    for name in names:
+        t0 = time.perf_counter()
+        rows[name] = run_config(name, args)
+        print(f"{name}: best {rows[name]['best']:.3f} s/step ({time.perf_counter() - t0:.0f} s with start-up)",
+              flush=True)
+    print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
