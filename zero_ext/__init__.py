@@ -11,6 +11,7 @@ from .engine import ZeroEngine
 from .initialize import initialize
 from .offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 from . import utils  # noqa: F401  (zero_ext.utils.safe_get_full_grad, ... as deepspeed.utils)
+from . import zero  # noqa: F401  (zero_ext.zero.Init, GatheredParameters, ... as deepspeed.zero)
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 

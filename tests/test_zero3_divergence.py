@@ -1,0 +1,107 @@
+"""Ranks that fetch different parameters (a rank-dependent branch) get an error naming the module and
+parameter on every rank, instead of a deadlock or silently mixed pieces ([Note: fetch-order
+agreement] in zero_ext/zero/fetch.py)."""
+import pytest
+import torch
+from torch import nn
+
+from harness import run_ranks
+from test_zero3_support import rank
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.branch_a = nn.Linear(4, 4)
+        self.branch_b = nn.Linear(4, 4)  # same shapes as branch_a: gathering it instead would "work"
+        self.wide = nn.Linear(4, 9)  # another shape: the all-gathers would not even match in size
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, plan):
+        h = self.stem(x)
+        for name in plan:
+            h = getattr(self, name)(h)
+        return h
+
+
+PLANS = {
+    "same-shape branches": (["branch_a"], ["branch_b"]),
+    "different shapes": (["branch_a"], ["wide"]),
+    "extra module on rank 0": (["extra", "branch_a"], ["branch_a"]),
+}
+
+
+def _diverge(case, check):
+    import zero_ext.zero as zero
+
+    torch.manual_seed(0)
+    with zero.Init():
+        model = Branchy()
+    zm = zero.ZeroModel(model, param_persistence_threshold=0, check_fetch_order=check)
+    plan = PLANS[case][min(rank(), 1)]
+    try:
+        model(torch.ones(2, 4), plan)
+        message = ""
+    except zero.FetchOrderError as exc:
+        message = str(exc)
+    state = [n for n, p in model.named_parameters() if p.numel() or p.ds_tensor is None]
+    # the group is still usable: a forward that agrees runs
+    recovered = tuple(model(torch.ones(2, 4), ["branch_a"]).shape)
+    zm.destroy()
+    return message, state, recovered
+
+
+@pytest.mark.parametrize("case", list(PLANS))
+def test_divergent_fetch_raises_on_every_rank(case):
+    results = run_ranks(2, _diverge, case, True, timeout=60)
+    a, b = PLANS[case][0][0], PLANS[case][1][0]
+    for message, state, recovered in results:
+        assert "ranks are about to gather different parameters" in message
+        assert f"rank 0: forward of module '{a}' (Linear)" in message
+        assert f"rank 1: forward of module '{b}' (Linear)" in message
+        assert f"'{a}.weight'" in message and f"'{b}.weight'" in message
+        assert state == [] and recovered == (2, 4)
+
+
+def test_check_can_be_turned_off():
+    # same shapes: without the check nothing notices (each rank mixes pieces of two different layers)
+    for message, state, recovered in run_ranks(2, _diverge, "same-shape branches", False, timeout=60):
+        assert message == "" and state == []
+
+
+def _gathered_diverge():
+    import zero_ext.zero as zero
+
+    with zero.Init():
+        a, b = nn.Linear(3, 3), nn.Linear(3, 5)
+    try:
+        with zero.GatheredParameters(a.weight if rank() == 0 else b.weight):
+            pass
+        return ""
+    except zero.FetchOrderError as exc:
+        return str(exc)
+
+
+def test_gathered_parameters_divergence_is_reported():
+    for message in run_ranks(2, _gathered_diverge, timeout=60):
+        assert "rank 0: GatheredParameters: 1 parameter(s), 9 elements" in message
+        assert "rank 1: GatheredParameters: 1 parameter(s), 15 elements" in message
+
+
+def _init_diverge():
+    import zero_ext.zero as zero
+
+    try:
+        with zero.Init():
+            nn.Linear(3, 3 if rank() == 0 else 5)
+            nn.Linear(2, 2)  # its first allocation partitions the finished module above
+        return ""
+    except zero.FetchOrderError as exc:
+        return str(exc)
+
+
+def test_different_models_under_init_are_reported():
+    for message in run_ranks(2, _init_diverge, timeout=60):
+        assert "rank 0: partitioning (zero.Init): 2 parameter(s), 12 elements" in message
+        assert "rank 1: partitioning (zero.Init): 2 parameter(s), 20 elements" in message

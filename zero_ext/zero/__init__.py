@@ -1,0 +1,28 @@
+"""ZeRO-3's parameter layer: partitioned parameters and everything that gathers them.
+
+    import zero_ext as deepspeed
+    with deepspeed.zero.Init():                      # parameters partitioned as modules are built
+        model = MyModel()
+    with deepspeed.zero.GatheredParameters(model.head.weight, modifier_rank=0):
+        ...                                          # full values inside, rank 0's changes kept
+    zm = deepspeed.zero.ZeroModel(model)             # gather/release around every forward/backward
+
+Files, one noun each (docs/zero3.md has the design): status (enums), param (ZeroParam, the owner of
+one parameter), collectives (free functions), fetch (fetch/release, fetch-order agreement), convert
+(whole -> partitioned), external (external parameters), hooks (per-module hooks), model (ZeroModel),
+gathered (GatheredParameters), init (zero.Init), tree (walking inputs/outputs), utils (DeepSpeed names).
+"""
+from .convert import partition_module
+from .external import register_external_parameter, unregister_external_parameter
+from .fetch import FetchOrderError
+from .gathered import GatheredParameters
+from .init import Init
+from .model import ZeroModel
+from .param import ZeroParam, is_zero_param, zero_param_of
+from .status import TrainingPhase, ZeroParamStatus
+
+__all__ = [
+    "Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+    "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
+    "TrainingPhase", "partition_module",
+]

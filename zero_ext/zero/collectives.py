@@ -1,0 +1,144 @@
+"""The ZeRO-3 parameter collectives, as free functions over tensors with an explicit process group.
+
+They hold no state and know nothing of modules or ZeroParams, so the communication schedule can be
+read from the callers (fetch.py, convert.py, gathered.py) alone. Layouts come from the planner
+(zero_ext.planner, see docs/design.md "Layouts"), never recomputed here.
+
+[Note: coalesced all-gather]
+Gathering the parameters of one module is one collective. Each rank lays its pieces out in one block,
+in the order given, each piece padded to its shard size (``planner.shard_bucket_pieces``: the blocks
+are then equal in length); ``all_gather_into_tensor`` fills a rank-major buffer of ``world`` blocks, and
+each parameter's full value is copied out of it (a strided copy of ``world`` runs) into the parameter's
+own storage. The rank's own block is a view into the output buffer, so the input needs no extra copy
+(an in-place all-gather). A single parameter needs no copy-out: its padded storage is already the
+rank-major layout of one piece per rank, so the all-gather writes straight into it. Where the backend
+lacks ``all_gather_into_tensor`` (gloo in old torch versions), the list form of ``all_gather`` fills
+the same buffer through per-rank views.
+"""
+import hashlib
+import struct
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import planner
+
+_LIST_ALLGATHER = False  # set when the backend refused all_gather_into_tensor once
+
+
+def rank_and_world(group) -> Tuple[int, int]:
+    """This process's rank in ``group`` and the group's size (0 and 1 without torch.distributed)."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` within ``group`` (None: the default group)."""
+    if group is None or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _all_gather_into(output: torch.Tensor, own: torch.Tensor, group, world: int) -> None:
+    global _LIST_ALLGATHER
+    if not _LIST_ALLGATHER:
+        try:
+            dist.all_gather_into_tensor(output, own, group=group)
+            return
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _LIST_ALLGATHER = True
+    dist.all_gather(list(output.view(world, -1).unbind(0)), own.clone(), group=group)
+
+
+def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                      numels: Sequence[int], group) -> None:
+    """Gathers several parameters in one collective (see [Note: coalesced all-gather]).
+
+    pieces[i]:  this rank's piece of parameter i, (shard_numel(numels[i], world),), any device
+    outputs[i]: parameter i's padded full storage, (world * shard_numel,), on the compute device;
+                filled with every rank's piece in rank order
+    """
+    rank, world = rank_and_world(group)
+    if world == 1:
+        for piece, out in zip(pieces, outputs):
+            out.copy_(piece)
+        return
+    if len(pieces) == 1:
+        out = outputs[0]
+        own = out.view(world, -1)[rank]
+        own.copy_(pieces[0])
+        _all_gather_into(out, own, group, world)
+        return
+    block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
+    offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}  # each piece's start in a block
+    buffer = torch.empty(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
+    blocks = buffer.view(world, block)
+    own = blocks[rank]
+    for i, piece in enumerate(pieces):
+        if i in offsets:
+            own[offsets[i]: offsets[i] + piece.numel()].copy_(piece)
+    _all_gather_into(buffer, own, group, world)
+    for i, out in enumerate(outputs):
+        if i in offsets:
+            size = out.numel() // world
+            out.view(world, size).copy_(blocks[:, offsets[i]: offsets[i] + size])
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group) -> None:
+    """``tensor`` (contiguous) takes the value it has on group rank ``src_group_rank``."""
+    if rank_and_world(group)[1] > 1:
+        dist.broadcast(tensor, src=global_rank(group, src_group_rank), group=group)
+
+
+def scatter_pieces(full: torch.Tensor, piece: torch.Tensor, src_group_rank: int, group) -> None:
+    """``piece`` (shard_numel elements) becomes this rank's piece of ``full`` as it is on
+    ``src_group_rank``, padding zeroed. ``full`` is read on the source rank only (every rank passes its
+    own: under zero.Init each rank has built the whole parameter)."""
+    rank, world = rank_and_world(group)
+    shard = piece.numel()
+    flat = full.reshape(-1)
+    if world == 1:
+        piece[: flat.numel()].copy_(flat)
+        piece[flat.numel():].zero_()
+        return
+    chunks: Optional[List[torch.Tensor]] = None
+    if rank == src_group_rank:
+        if flat.numel() == world * shard and flat.is_contiguous():
+            padded = flat
+        else:
+            padded = torch.zeros(world * shard, dtype=flat.dtype, device=flat.device)
+            padded[: flat.numel()].copy_(flat)
+        chunks = list(padded.view(world, shard).unbind(0))
+    dist.scatter(piece, chunks, src=global_rank(group, src_group_rank), group=group)
+
+
+def agree(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
+    """Every rank's ``row`` (the same number of int64 values on each rank), rank by rank: one small
+    all-gather of fixed size, safe to run even when the ranks are about to disagree."""
+    rank, world = rank_and_world(group)
+    if world == 1:
+        return [list(row)]
+    mine = torch.tensor(list(row), dtype=torch.int64, device=device)
+    out = torch.empty(world * len(row), dtype=torch.int64, device=device)
+    _all_gather_into(out, mine, group, world)
+    return out.view(world, len(row)).tolist()
+
+
+def check_device(group, compute_device: torch.device) -> torch.device:
+    """Where small control tensors (agreement rows) go for ``group``: host memory when the group has
+    a gloo backend (no device synchronisation), else the compute device."""
+    if compute_device.type == "cpu":
+        return compute_device
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        backend = ""
+    return torch.device("cpu") if "gloo" in backend else compute_device
+
+
+def digest(values: Sequence[int]) -> int:
+    """A 62-bit digest of a sequence of ints, identical in every process (unlike ``hash`` of strings)."""
+    h = hashlib.blake2b(struct.pack(f"<{len(values)}q", *values), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 2

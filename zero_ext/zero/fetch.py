@@ -1,0 +1,130 @@
+"""Fetch and release: the two operations every user of partitioned parameters goes through.
+
+``fetch(params, holder, site)`` marks the parameters held by ``holder`` and gathers those that are
+partitioned, one coalesced all-gather per process group and dtype; ``release(params, holder)`` drops
+the hold and partitions what nobody holds any more (persistent parameters stay). Module hooks, the
+external-parameter detector, GatheredParameters and persistence all use these two and nothing else, so
+the prefetch coordinator (later) has one place to plug in.
+
+[Note: fetch-order agreement]
+ZeRO-3 is lock-step: every rank must gather the same parameters in the same order. A rank-dependent
+branch in a model breaks that, and the all-gathers of mismatched sizes then deadlock (DeepSpeed's most
+reported ZeRO-3 failure) or, worse, succeed with equal sizes and mix pieces of different parameters.
+Before each gather the ranks therefore exchange a fixed-size row describing what they are about to
+gather -- why (forward, backward, ...), which module (its index in the model), how many parameters,
+how many elements, and a digest of their shapes -- in one small all-gather that cannot itself
+mismatch. If the rows differ, every rank raises FetchOrderError naming, for each rank, the module and
+first parameter it was about to gather. Partitioning (zero.Init, convert.py) runs the same check
+before its scatters, so ranks that build different models get the same kind of error. The check costs
+one round trip of ``48 * world`` bytes per gather (on the host when the group has gloo) and is on by
+default; ``check=False`` turns it off for fetches.
+The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
+numbering drifted (an extra model built on one rank) are not reported as diverged.
+"""
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch.profiler import record_function
+
+from . import collectives, internal
+from .param import ZeroParam, zero_param_by_ds_id
+from .status import FetchKind, ZeroParamStatus
+
+_COMPARED = 5  # the first five columns of a row must agree; the sixth (a ds_id) only names a parameter
+_KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of",
+              FetchKind.EXTERNAL: "a parameter used in the forward of", FetchKind.GATHERED: "GatheredParameters",
+              FetchKind.PERSIST: "persistent parameters of", FetchKind.PARTITION: "partitioning (zero.Init)"}
+
+
+class FetchOrderError(RuntimeError):
+    """Ranks were about to gather different parameters (see [Note: fetch-order agreement])."""
+
+
+class FetchSite(NamedTuple):
+    """Why and for which module a fetch happens: labels for the profiler and the agreement row."""
+
+    kind: FetchKind
+    module_index: int = -1  # index of the module in its model (-1: none)
+    module_name: str = ""
+    namer: Optional[Callable[[int], str]] = None  # module index -> "name (Type)", to describe other ranks
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind.name.lower()} {self.module_name}".strip()
+
+
+def fetch(params: Sequence[ZeroParam], holder, site: FetchSite, check: bool = True) -> None:
+    """Hold ``params`` for ``holder`` and gather the partitioned ones. Collective over each parameter's
+    group whenever something has to be gathered: every rank must call it at the same point."""
+    for zp in params:
+        zp.hold(holder)
+    need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
+    for (group, _, _), bucket in _buckets(need).items():
+        with internal.section():
+            if check:
+                _agree(bucket, site, group)
+            with record_function(f"zero_ext::all_gather ({site.label})"):
+                outputs = [zp.to_inflight() for zp in bucket]
+                collectives.all_gather_pieces([zp.shard for zp in bucket], outputs, [zp.numel for zp in bucket],
+                                              group)
+                for zp in bucket:
+                    zp.to_gathered()
+
+
+def release(params: Sequence[ZeroParam], holder) -> None:
+    """Drop ``holder``'s hold; partition each parameter nobody holds (unless persistent). Local: no
+    communication."""
+    with internal.section():
+        for zp in params:
+            if zp.unhold(holder) and not zp.persist and zp.status is ZeroParamStatus.AVAILABLE:
+                zp.to_partitioned()
+
+
+def _buckets(params: Sequence[ZeroParam]) -> Dict[Tuple, List[ZeroParam]]:
+    """What one all-gather can carry: same process group, compute device and dtype (order kept)."""
+    out: Dict[Tuple, List[ZeroParam]] = {}
+    for zp in params:
+        out.setdefault((zp.group, zp.compute_device, zp.dtype), []).append(zp)
+    return out
+
+
+def _agree(params: Sequence[ZeroParam], site: FetchSite, group) -> None:
+    check_agreement(site, [zp.shape for zp in params], params[0].ds_id, group,
+                    collectives.check_device(group, params[0].compute_device))
+
+
+def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: int, group,
+                    device: torch.device) -> None:
+    """Raise FetchOrderError on every rank unless all ranks are about to gather (or partition)
+    parameters of the same shapes for the same reason and module. Collective (one small all-gather)."""
+    flat: List[int] = []
+    for shape in shapes:
+        flat.extend(shape)
+        flat.append(-1)
+    row = [site.kind.value, site.module_index, len(shapes), sum(torch.Size(s).numel() for s in shapes),
+           collectives.digest(flat), first_ds_id]
+    rows = collectives.agree(row, group, device)
+    if all(r[:_COMPARED] == rows[0][:_COMPARED] for r in rows):
+        return
+    lines = [f"  rank {r}: {_describe(other, site)}" for r, other in enumerate(rows)]
+    raise FetchOrderError(
+        "zero_ext ZeRO-3: the ranks are about to gather different parameters (a rank-dependent branch or "
+        "a module that runs on some ranks only?):\n" + "\n".join(lines) + "\n"
+        "Every rank must build, and run, the same modules in the same order under ZeRO-3. Run every branch "
+        "on every rank (and select the result), or gather the parameters on all ranks first "
+        "(zero_ext.zero.GatheredParameters). This check costs one small all-gather per fetch; "
+        "check_fetch_order=False turns it off.")
+
+
+def _describe(row: Sequence[int], site: FetchSite) -> str:
+    kind, module_index, count, numel, _, first = row
+    try:
+        what = _KIND_TEXT[FetchKind(kind)]
+    except ValueError:
+        what = f"fetch kind {kind}"
+    if module_index >= 0:
+        module = site.namer(module_index) if site.namer is not None else f"#{module_index}"
+        what += f" module {module}"
+    zp = zero_param_by_ds_id(first)
+    name = f"first parameter {zp.name!r} (ds_id {first})" if zp is not None else f"from ds_id {first}"
+    return f"{what}: {count} parameter(s), {numel} elements, {name}"

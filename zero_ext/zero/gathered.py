@@ -1,0 +1,79 @@
+"""GatheredParameters: the full values of some ZeRO-3 parameters, inside a ``with`` block.
+
+    with GatheredParameters(model.embed.weight, modifier_rank=0):
+        if rank == 0:
+            model.embed.weight.normal_()     # rank 0's change is kept, on every rank
+    with GatheredParameters(model.parameters()):
+        print(model.head.weight.sum())       # read-only: changes are discarded
+
+Collective: every rank of the parameters' groups must enter and leave together.
+"""
+from typing import Iterable, List, Optional, Union
+
+import torch
+
+from . import collectives, internal
+from .external import register_external_parameter
+from .fetch import FetchSite, fetch, release
+from .param import ZeroParam, zero_param_of
+from .status import FetchKind
+
+
+class GatheredParameters:
+    """Gather ``params`` (a tensor or an iterable of tensors) on enter; partition them again on exit.
+
+    - ``modifier_rank=None``: changes made inside the block are discarded (each rank's piece is kept).
+    - ``modifier_rank=r`` (a rank of the parameters' group): on exit rank ``r``'s full values are
+      broadcast, each rank keeps its part as its new piece, and each parameter's update hooks run
+      (``ZeroParam.register_update_hook``: where the engine's fp32 master copy follows).
+    - ``fwd_module``: also register the parameters as external to that module (see external.py).
+    - Tensors that are not ZeRO-3 parameters pass through untouched; with none, or ``enabled=False``,
+      the block does nothing.
+
+    Parameters are gathered in ds_id order, the same on every rank. Nested blocks may not gather the
+    same parameter (RuntimeError), as in DeepSpeed. Parameters still in use by a module (inside a
+    forward) stay gathered after the block.
+    """
+
+    def __init__(self, params: Union[torch.Tensor, Iterable[torch.Tensor]], modifier_rank: Optional[int] = None,
+                 fwd_module: Optional[torch.nn.Module] = None, enabled: bool = True):
+        self.modifier_rank = modifier_rank
+        self.params: List[ZeroParam] = []
+        if not enabled:
+            return
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        found = {}
+        for p in params:
+            zp = zero_param_of(p)
+            if zp is not None:
+                found[id(zp)] = zp
+        self.params = sorted(found.values(), key=lambda zp: zp.ds_id)
+        if fwd_module is not None:
+            for zp in self.params:
+                register_external_parameter(fwd_module, zp.param)
+
+    def __enter__(self):
+        for zp in self.params:
+            if any(isinstance(h, GatheredParameters) for h in zp.holders):
+                raise RuntimeError(f"Nested GatheredParameters contexts cannot overlap parameters: "
+                                   f"{zp.name} is already gathered by an enclosing GatheredParameters")
+        fetch(self.params, self, FetchSite(FetchKind.GATHERED))
+        return None
+
+    def __exit__(self, exc_type, exc, tb):
+        # the broadcast runs even after an exception, so that a rank that failed alone does not leave
+        # the others waiting in it
+        try:
+            if self.modifier_rank is not None:
+                with internal.section(), torch.no_grad():
+                    for zp in self.params:
+                        zp.adopt_replaced_data()
+                        collectives.broadcast(zp.full, self.modifier_rank, zp.group)
+                        zp.write_back()
+        finally:
+            release(self.params, self)
+        return False
+
+    def __repr__(self) -> str:
+        return f"GatheredParameters({len(self.params)} parameters, modifier_rank={self.modifier_rank})"

@@ -1,0 +1,194 @@
+"""Per-module hooks: gather a module's parameters for its forward and its backward, release them after.
+
+[Note: the ZeRO-3 hook scheme]
+Only PyTorch's public hook points are used (FSDP2's scheme; nothing is patched):
+
+- forward pre-hook (``prepend=True``, so user hooks see gathered parameters): open a ModuleCall,
+  gather the module's own parameters plus those registered as external to it, and -- when autograd
+  is recording -- pass the inputs that require grad through ``PostBackward``, an identity
+  ``autograd.Function``;
+- forward post-hook (``always_call=True``, so an exception in forward still releases and unwinds):
+  register a tensor hook on each output that requires grad (the *pre-backward* hook), then release;
+- pre-backward (an output's gradient has been computed, so the module's backward is next): gather
+  again, once per call;
+- post-backward (``PostBackward.backward`` runs once the gradients of the module's inputs exist, i.e.
+  after the module's backward): release. A module whose inputs need no gradient (the first layer) gets
+  no such node; the end-of-backward callback (``queue_callback``, queued by the first pre-backward of
+  a backward pass) releases whatever is still held.
+
+The unit is one *call* of the module, not the module: a module run twice in one forward, or run again
+under activation checkpointing, has one ModuleCall per run, each holding its parameters from its
+pre-hook to its post-hook and again from its pre-backward to its post-backward. Under ``no_grad``
+(evaluation, or the first pass of reentrant checkpointing) no autograd machinery is attached at all.
+
+Why gradients are safe: autograd runs ``AccumulateGrad`` for a parameter as soon as its gradient is
+complete, ahead of any other ready node, so a parameter is still gathered when its gradient lands
+(accumulating into a parameter whose data is empty fails inside autograd). A parameter shared by two
+modules is gathered again by the second module's pre-backward before the gradient from that use is
+computed.
+"""
+import functools
+from typing import TYPE_CHECKING, List
+
+import torch
+
+from . import internal
+from .external import external_parameters
+from .fetch import FetchSite, fetch, release
+from .param import ZeroParam, zero_param_of
+from .status import FetchKind, TrainingPhase
+from .tree import map_tensors, mappable_tensors, tensors_in
+
+if TYPE_CHECKING:
+    from .model import ZeroModel
+
+
+class ModuleCall:
+    """One call of a module's forward: the parameters it holds, and its phase."""
+
+    __slots__ = ("state", "params", "phase")
+
+    def __init__(self, state: "ModuleState"):
+        self.state = state
+        self.params: List[ZeroParam] = []
+        self.phase = TrainingPhase.IDLE
+
+    def _to(self, phase: TrainingPhase, *allowed: TrainingPhase) -> None:
+        if self.phase not in allowed:
+            raise RuntimeError(f"zero_ext: {self} cannot go from {self.phase.name} to {phase.name}")
+        self.phase = phase
+
+    def to_forward(self) -> None:
+        self._to(TrainingPhase.FORWARD, TrainingPhase.IDLE)
+
+    def to_pre_backward(self) -> None:
+        self._to(TrainingPhase.PRE_BACKWARD, TrainingPhase.IDLE)
+
+    def to_idle(self) -> None:
+        self._to(TrainingPhase.IDLE, TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD)
+
+    def __repr__(self) -> str:
+        return f"call of {self.state.name!r} ({self.phase.name})"
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward marks the end of the module's backward. Returns
+    detached aliases rather than the inputs themselves, so the module may modify them in place."""
+
+    @staticmethod
+    def forward(ctx, call: ModuleCall, *inputs: torch.Tensor):
+        ctx.call = call
+        return tuple(t.detach() for t in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.call.state.post_backward(ctx.call)
+        return (None,) + grads
+
+
+class ModuleState:
+    """The hooks of one module and the knowledge of which parameters it gathers."""
+
+    def __init__(self, model: "ZeroModel", module: torch.nn.Module, index: int, name: str, is_root: bool):
+        self.model = model
+        self.module = module
+        self.index = index
+        self.name = name
+        self.is_root = is_root
+        self._handles = []
+
+    def register(self) -> None:
+        self._handles = [
+            self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
+            self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
+        ]
+
+    def destroy(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def zero_params(self) -> List[ZeroParam]:
+        """The ZeRO-3 parameters this module gathers: its own, then those external to it."""
+        found = {}
+        for p in self.module.parameters(recurse=False):
+            zp = zero_param_of(p)
+            if zp is not None:
+                found[id(zp)] = zp
+        for p in external_parameters(self.module):
+            zp = zero_param_of(p)
+            if zp is not None:
+                found[id(zp)] = zp
+        return list(found.values())
+
+    def site(self, kind: FetchKind) -> FetchSite:
+        return FetchSite(kind, self.index, repr(self.name), self.model.describe_module)
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def _pre_forward(self, module, args, kwargs):
+        model = self.model
+        if self.is_root:
+            model.enter_forward()
+        with internal.section():
+            call = ModuleCall(self)
+            model.push(call)
+            call.to_forward()
+            call.params = self.zero_params()
+            with torch.profiler.record_function(f"zero_ext::pre_forward ({self.name})"):
+                fetch(call.params, call, self.site(FetchKind.FORWARD), model.check_fetch_order)
+            if call.params and torch.is_grad_enabled():
+                args, kwargs = self._wrap_inputs(call, args, kwargs)
+        return args, kwargs
+
+    def _wrap_inputs(self, call: ModuleCall, args, kwargs):
+        inputs = [t for t in mappable_tensors((args, kwargs)) if t.requires_grad and t.is_floating_point()]
+        if not inputs:
+            return args, kwargs
+        outputs = PostBackward.apply(call, *inputs)
+        replace = {id(t): out for t, out in zip(inputs, outputs)}
+        return map_tensors((args, kwargs), lambda t: replace.get(id(t), t))
+
+    def _post_forward(self, module, args, kwargs, output):
+        model = self.model
+        with internal.section():
+            call = model.top()
+            if call is not None and call.state is self:  # else our pre-hook never ran (an earlier hook raised)
+                model.pop()
+                if call.params and output is not None and torch.is_grad_enabled():
+                    hook = functools.partial(self.pre_backward, call)
+                    for t in tensors_in(output):
+                        if t.requires_grad and t.grad_fn is not None:
+                            t.register_hook(hook)
+                call.to_idle()
+                with torch.profiler.record_function(f"zero_ext::post_forward ({self.name})"):
+                    release(call.params, call)
+        if self.is_root:
+            model.exit_forward()
+        return None
+
+    # -- backward --------------------------------------------------------------------------------------
+
+    def pre_backward(self, call: ModuleCall, grad):
+        """Tensor hook on an output: the module's backward is about to run."""
+        if call.phase is not TrainingPhase.IDLE:  # gathered already (another output), or still in forward
+            return None
+        model = self.model
+        with internal.section():
+            model.queue_end_of_backward()
+            call.to_pre_backward()
+            model.backward_calls[call] = None
+            with torch.profiler.record_function(f"zero_ext::pre_backward ({self.name})"):
+                fetch(call.params, call, self.site(FetchKind.BACKWARD), model.check_fetch_order)
+        return None
+
+    def post_backward(self, call: ModuleCall) -> None:
+        """The gradients of the module's inputs exist: its backward is done."""
+        if call.phase is not TrainingPhase.PRE_BACKWARD:
+            return
+        with internal.section():
+            self.model.queue_end_of_backward()
+            self.model.backward_calls.pop(call, None)
+            call.to_idle()
+            with torch.profiler.record_function(f"zero_ext::post_backward ({self.name})"):
+                release(call.params, call)

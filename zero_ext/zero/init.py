@@ -1,0 +1,343 @@
+"""zero.Init: partition each module's parameters as soon as its constructor returns.
+
+    with zero_ext.zero.Init(config_dict_or_path=ds_config):
+        model = MyLargeModel()        # no rank ever holds more than its pieces plus one module
+
+[Note: zero.Init construction tracking]
+DeepSpeed wraps ``__init__`` of every ``nn.Module`` subclass (and patches ``__init_subclass__``) to
+learn when a constructor returns. zero_ext watches construction through documented hooks only:
+
+- ``register_module_parameter_registration_hook``: every parameter registered on any module while
+  Init is active is recorded as *pending*, together with its *anchor*, the innermost module whose
+  ``__init__`` is running at that moment (found by walking the Python call stack: a frame of a function
+  named ``__init__`` whose first argument is an ``nn.Module``). Usually the anchor is the registering
+  module itself; a parameter a parent registers on a finished child is anchored to the parent.
+- A ``TorchFunctionMode`` sees every torch call. Before each one, pending parameters whose anchor's
+  ``__init__`` is no longer on the stack are partitioned (convert.py: rank 0's value cut into pieces):
+  a parameter is partitioned at the first torch call after its constructor returns, and in particular
+  before the next allocation. So a rank holds at most its pieces plus the parameters of the modules
+  still under construction (the chain of constructors on the stack: in practice one module) -- the
+  bound test_zero3_memory.py measures. For factory calls (``torch.empty``, ``randn``, ``zeros_like``,
+  ...) the same mode supplies the local device and, when Init has a dtype, casts new floating-point
+  tensors to it (DeepSpeed's tensor overrides).
+- ``copy.deepcopy`` of a pending parameter (``nn.TransformerEncoder`` deep-copies the finished layer it
+  is given) partitions it first when its constructor has returned, then copies the piece: the
+  registration hook gives the parameter an instance ``__deepcopy__``, which ZeroParam replaces by its
+  own (see [Note: the ds_* facade] in param.py).
+- ``register_module_buffer_registration_hook`` moves buffers to the local device (buffers are never
+  partitioned).
+- Parameters registered outside any constructor (``model.extra = Parameter(...)`` in the ``with``
+  block) are partitioned when the outermost Init exits.
+
+A constructor's own edits, and a subclass ``__init__`` editing what its base class registered, happen
+before partitioning, since the anchor's ``__init__`` is still running. The one thing that cannot be
+intercepted without a patch is ``Module.apply`` called on already-partitioned children (HF's
+``post_init`` does this): with ``override_module_apply`` (the default) Init patches
+``torch.nn.Module.apply`` -- the only patch, listed in PATCHES and restored when the outermost Init
+exits -- so that ``fn`` runs on each module with its own parameters gathered, and rank 0's result is
+kept (GatheredParameters with ``modifier_rank=0``).
+"""
+import contextlib
+import functools
+import sys
+import warnings
+import weakref
+from typing import Callable, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.module import (register_module_buffer_registration_hook,
+                                     register_module_parameter_registration_hook)
+from torch.overrides import TorchFunctionMode
+
+from .. import comm
+from . import convert, internal
+from .gathered import GatheredParameters
+from .param import is_zero_param, zero_param_of
+
+_ACTIVE: Optional["_InitSession"] = None  # the outermost active Init's state
+
+# Factories that take a device= argument (Init supplies the local device when none is given) ...
+_DEVICE_FACTORIES = frozenset([
+    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint, torch.randperm,
+    torch.arange, torch.linspace, torch.logspace, torch.eye, torch.tensor, torch.empty_strided, torch.as_tensor,
+])
+# ... and all allocating factories, before which finished modules are partitioned.
+_FACTORIES = _DEVICE_FACTORIES | frozenset([
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like, torch.randn_like,
+    torch.randint_like, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
+    torch.Tensor.new_full, torch.Tensor.new_tensor,
+])
+
+
+# -- the patch table ----------------------------------------------------------------------------------
+
+def _gather_around(fn: Callable) -> Callable:
+    """``fn(module)`` with the module's own ZeRO-3 parameters gathered, rank 0's result kept."""
+    if getattr(fn, "_zero_ext_gathering", False):
+        return fn
+
+    @functools.wraps(fn)
+    def gathering(module):
+        params = [p for p in module.parameters(recurse=False) if is_zero_param(p)]
+        if not params:
+            return fn(module)
+        with GatheredParameters(params, modifier_rank=0):
+            return fn(module)
+
+    gathering._zero_ext_gathering = True
+    return gathering
+
+
+def _make_apply(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply(self, fn):
+        return original(self, _gather_around(fn))
+    return apply
+
+
+#: Every attribute of torch that zero.Init replaces: (owner, attribute, replacement factory taking the
+#: original). Applied when the outermost Init is entered, restored when it exits.
+PATCHES: List[Tuple[object, str, Callable[[Callable], Callable]]] = [
+    (torch.nn.Module, "apply", _make_apply),
+]
+
+
+class _PatchTable:
+    def __init__(self, entries):
+        self.entries = entries
+        self.saved: List[Tuple[object, str, object]] = []
+
+    def apply(self) -> None:
+        for owner, name, make in self.entries:
+            original = owner.__dict__[name]
+            self.saved.append((owner, name, original))
+            setattr(owner, name, make(original))
+
+    def restore(self) -> None:
+        while self.saved:
+            owner, name, original = self.saved.pop()
+            setattr(owner, name, original)
+
+
+# -- construction tracking ----------------------------------------------------------------------------
+
+def constructing_modules() -> List[torch.nn.Module]:
+    """The modules whose ``__init__`` is running, innermost first (see [Note: zero.Init construction
+    tracking])."""
+    found = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_argcount:
+            obj = frame.f_locals.get(code.co_varnames[0])
+            if isinstance(obj, torch.nn.Module):
+                found.append(obj)
+        frame = frame.f_back
+    return found
+
+
+class _Pending(NamedTuple):
+    param: "weakref.ref[torch.nn.Parameter]"
+    anchor: Optional[torch.nn.Module]  # the module whose constructor must return first (None: Init's exit)
+
+
+class _ConstructionMode(TorchFunctionMode):
+    def __init__(self, session: "_InitSession"):
+        super().__init__()
+        self.session = session
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if internal.active():
+            return func(*args, **kwargs)
+        session = self.session
+        if session.pending:
+            session.flush(final=False)
+        if func not in _FACTORIES:
+            return func(*args, **kwargs)
+        if func in _DEVICE_FACTORIES and kwargs.get("device") is None and session.device.type != "cpu":
+            kwargs = dict(kwargs, device=session.device)
+        result = func(*args, **kwargs)
+        if (session.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point()
+                and result.dtype != session.dtype):
+            result = result.to(session.dtype)
+        return result
+
+
+class _InitSession:
+    """What the outermost active Init installed, and the parameters waiting to be partitioned."""
+
+    def __init__(self, init: "Init"):
+        self.group, self.device, self.dtype = init.group, init.device, init.dtype
+        self.remote_device, self.pin_memory = init.remote_device, init.pin_memory
+        self.depth = 0  # nested Init contexts inside this one
+        self.pending: List[_Pending] = []
+        self.mode = _ConstructionMode(self)
+        self.patches = _PatchTable(PATCHES if init.override_module_apply else [])
+        self.handles = []
+
+    def open(self) -> None:
+        self.handles = [register_module_parameter_registration_hook(self._on_parameter),
+                        register_module_buffer_registration_hook(self._on_buffer)]
+        self.patches.apply()
+        self.mode.__enter__()
+
+    def close(self, flush: bool) -> None:
+        self.mode.__exit__(None, None, None)
+        try:
+            if flush:
+                self.flush(final=True)
+        finally:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+            self.patches.restore()
+            for entry in self.pending:  # left whole (the with block raised): drop our deepcopy hook
+                param = entry.param()
+                if param is not None and "__deepcopy__" in vars(param):
+                    del param.__deepcopy__
+            self.pending = []
+
+    def _on_parameter(self, module, name, param):
+        if param is None or internal.active() or is_zero_param(param):
+            return None
+        modules = constructing_modules()
+        ref = weakref.ref(param)
+        self.pending.append(_Pending(ref, modules[0] if modules else None))
+        param.__deepcopy__ = functools.partial(self._deepcopy_pending, ref)  # replaced by ZeroParam's
+        return None
+
+    def _deepcopy_pending(self, ref, memo):
+        """``copy.deepcopy`` of a parameter not partitioned yet: partition it first if its constructor
+        has returned (nn.TransformerEncoder deep-copies the finished layer it is given), then copy."""
+        param = ref()
+        self.flush(final=False)
+        owner = zero_param_of(param)
+        if owner is not None:
+            return owner.deepcopy(memo)
+        copy = torch.nn.Parameter(param.data.clone(memory_format=torch.preserve_format), param.requires_grad)
+        memo[id(param)] = copy
+        return copy
+
+    def _on_buffer(self, module, name, buffer):
+        if buffer is not None and buffer.device != self.device:
+            return buffer.to(self.device)
+        return None
+
+    def flush(self, final: bool) -> None:
+        """Partition the pending parameters whose anchor's constructor has returned (all when final)."""
+        if not self.pending or internal.active():
+            return
+        alive = set() if final else {id(m) for m in constructing_modules()}
+        ready, keep = [], []
+        for entry in self.pending:
+            done = final or (entry.anchor is not None and id(entry.anchor) not in alive)
+            (ready if done else keep).append(entry)
+        if not ready:
+            return
+        self.pending = keep
+        params = [p for p in (entry.param() for entry in ready) if p is not None]
+        with torch.profiler.record_function("zero_ext::init_partition"):
+            convert.partition_params(params, self.group, self.remote_device, self.pin_memory)
+
+
+# -- the public context ----------------------------------------------------------------------------
+
+class Init(contextlib.ContextDecorator):
+    """DeepSpeed's ``zero.Init``: a context manager (and decorator) under which each module's parameters
+    are partitioned as soon as its constructor returns, with rank 0's values (so every rank gets the
+    model rank 0 would have built, whatever each rank's seed).
+
+    - ``module``: partition an already built model now (its values from rank 0).
+    - ``data_parallel_group`` (or ``mpu.get_data_parallel_group()``): the group parameters are
+      partitioned over; default: all ranks.
+    - ``remote_device``: ``"cpu"`` keeps the pieces in host memory (``pin_memory`` pins them when CUDA
+      is present); None keeps them on the local device. ``"nvme"`` is not implemented yet.
+    - ``config_dict_or_path`` (``config``: deprecated spelling): a DeepSpeed config; its
+      ``zero_optimization.offload_param`` decides ``remote_device``/``pin_memory``,
+      ``override_module_apply`` the Module.apply patch, and ``bf16``/``fp16`` the dtype (else float32).
+    - ``dtype``: cast new floating-point tensors to it (half, bfloat16 or float32). Without a config
+      and a dtype, tensors keep torch's default dtype (DeepSpeed picks fp16 on accelerators).
+    - ``mem_efficient_linear``: accepted; zero_ext never keeps gathered weights alive for backward
+      (see [Note: freeing gathered storage] in param.py), so there is nothing to switch.
+    - ``enabled=False``: do nothing.
+
+    Nested Init contexts share the outermost one's settings.
+    """
+
+    def __init__(self, module: Optional[torch.nn.Module] = None, data_parallel_group=None,
+                 mem_efficient_linear: bool = True, remote_device=None, pin_memory: bool = False,
+                 config_dict_or_path=None, config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None,
+                 mpu=None, zero_param_parallel_group=None, zero_quantized_weights: bool = False,
+                 zero_quantized_nontrainable_weights: bool = False, sequence_data_parallel_group=None,
+                 param_swapper=None):
+        self.enabled = enabled
+        if not enabled:
+            return
+        unsupported = {"zero_param_parallel_group": zero_param_parallel_group is not None,
+                       "zero_quantized_weights": zero_quantized_weights,
+                       "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
+                       "sequence_data_parallel_group": sequence_data_parallel_group is not None,
+                       "param_swapper": param_swapper is not None}
+        given = [k for k, v in unsupported.items() if v]
+        if given:
+            raise NotImplementedError(f"zero_ext zero.Init: {', '.join(given)} not implemented (ZeRO++ and "
+                                      "NVMe swapping come later); leave them at their defaults")
+        if config is not None:
+            warnings.warn("zero.Init(config=...) is deprecated; use config_dict_or_path=...", DeprecationWarning,
+                          stacklevel=2)
+            config_dict_or_path = config_dict_or_path if config_dict_or_path is not None else config
+        self.override_module_apply = True
+        self.mem_efficient_linear = mem_efficient_linear
+        if config_dict_or_path is not None:
+            remote_device, pin_memory, dtype = self._read_config(config_dict_or_path, remote_device, pin_memory,
+                                                                 dtype)
+        if dtype is not None and dtype not in (torch.half, torch.bfloat16, torch.float32):
+            raise ValueError(f"zero.Init: dtype must be torch.half, torch.bfloat16 or torch.float32, not {dtype}")
+        self.dtype = dtype
+        self.device = convert.local_device()
+        convert.shard_device(remote_device, self.device)  # refuses nvme now rather than at the first module
+        self.remote_device, self.pin_memory = remote_device, pin_memory
+        if not dist.is_initialized():
+            comm.init_distributed(verbose=False)
+        self.group = convert.resolve_group(data_parallel_group, mpu)
+        convert.check_single_rank_group(self.group)
+        if module is not None:
+            convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device)
+
+    def _read_config(self, source, remote_device, pin_memory, dtype):
+        from ..config import load_config
+
+        cfg = load_config(source)
+        zc = cfg.zero_optimization
+        if zc.offload_param is not None and str(zc.offload_param.device) != "none":
+            remote_device, pin_memory = str(zc.offload_param.device), zc.offload_param.pin_memory
+        self.override_module_apply = zc.override_module_apply
+        self.mem_efficient_linear = zc.memory_efficient_linear
+        if dtype is None:
+            dtype = torch.bfloat16 if cfg.bf16.enabled else torch.half if cfg.fp16.enabled else torch.float32
+        return remote_device, pin_memory, dtype
+
+    def __enter__(self):
+        global _ACTIVE
+        if not self.enabled:
+            return self
+        if _ACTIVE is not None:
+            _ACTIVE.depth += 1
+            return self
+        session = _InitSession(self)
+        session.open()
+        _ACTIVE = session
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        global _ACTIVE
+        if not self.enabled or _ACTIVE is None:
+            return False
+        if _ACTIVE.depth > 0:
+            _ACTIVE.depth -= 1
+            return False
+        session, _ACTIVE = _ACTIVE, None
+        session.close(flush=exc_type is None)
+        return False

@@ -1,0 +1,25 @@
+"""zero_ext's own tensor work, hidden from zero_ext's TorchFunctionModes (a leaf: imports nothing).
+
+zero.Init's construction mode (init.py) and the external-parameter detector (external.py) watch the
+user's torch calls. The tensor operations of zero_ext itself -- gathering, partitioning, broadcasting --
+must not be watched: Init would cast an fp32 all-gather buffer to its dtype, and the detector would take
+a gathered parameter for a foreign use. Code that does such work runs inside ``section()``; both modes
+pass calls straight through while ``active()``. Per thread, like the mode stack itself.
+"""
+import contextlib
+import threading
+
+_STATE = threading.local()
+
+
+def active() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def section():
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1

@@ -1,0 +1,239 @@
+"""ZeroModel: the ZeRO-3 parameter layer installed on one model.
+
+    zm = ZeroModel(model, param_persistence_threshold=..., model_persistence_threshold=...)
+    loss = model(batch); loss.backward()     # parameters gathered and released around each module
+    zm.destroy()                             # hooks removed, everything partitioned
+
+It partitions parameters the model still holds whole (a model built without zero.Init), names every
+module and parameter (for errors and profiler labels), decides which parameters persist, installs a
+ModuleState (hooks.py) on every module, detects external parameters during forward (external.py) and
+runs the end-of-backward callback. It is what the engine's stage 3 builds on; the hook points it offers
+the engine are ``register_grad_ready_hook`` (a parameter's full gradient is complete: hand it to the
+reducer), ``register_backward_end_hook``, ``release_all`` (DeepSpeed's ``empty_partition_cache``) and
+``refresh_persistent`` (after the optimizer step changed the pieces).
+"""
+import logging
+import sys
+import weakref
+from collections import OrderedDict
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from . import convert, internal
+from .external import ExternalUseDetector, register_external_parameter
+from .fetch import FetchSite, fetch, release
+from .hooks import ModuleCall, ModuleState
+from .param import ZeroParam, zero_param_of
+from .status import FetchKind, ZeroParamStatus
+
+logger = logging.getLogger("zero_ext.zero")
+_INSTALLED: "weakref.WeakKeyDictionary[torch.nn.Module, ZeroModel]" = weakref.WeakKeyDictionary()
+
+
+class _Persistent:
+    """The holder of persistent parameters."""
+
+    def __repr__(self) -> str:
+        return "persistence"
+
+
+def _in_backward() -> bool:
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - older torch: assume not
+        return False
+
+
+class ZeroModel:
+    """Fetch and release of a model's ZeRO-3 parameters around every module's forward and backward.
+
+    ``param_persistence_threshold`` / ``model_persistence_threshold`` (elements): DeepSpeed's
+    ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``; parameters of at
+    most the first size stay gathered on every rank, taken in model order while their total stays
+    within the second. ``check_fetch_order``: see [Note: fetch-order agreement] (fetch.py).
+    ``detect_external_params``: see [Note: detecting external parameters] (external.py).
+    ``group``, ``remote_device``, ``pin_memory``: for parameters that are partitioned here (those the
+    model still holds whole).
+    """
+
+    def __init__(self, module: torch.nn.Module, group=None, param_persistence_threshold: int = 100_000,
+                 model_persistence_threshold: int = sys.maxsize, check_fetch_order: bool = True,
+                 detect_external_params: bool = True, remote_device=None, pin_memory: bool = False):
+        if module in _INSTALLED:
+            raise RuntimeError(f"zero_ext: ZeRO-3 hooks are already installed on this {type(module).__name__}; "
+                               "call destroy() on the first ZeroModel before installing another")
+        self.module = module
+        self.check_fetch_order = check_fetch_order
+        convert.partition_module(module, group, remote_device, pin_memory)
+        self._params = self._name_params()
+        self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
+        for index, (name, m) in enumerate(module.named_modules()):
+            self._states[m] = ModuleState(self, m, index, name or "<root>", m is module)
+        self._module_names = [f"{s.name!r} ({type(s.module).__name__})" for s in self._states.values()]
+        self._stack: List[ModuleCall] = []
+        self.backward_calls: Dict[ModuleCall, None] = {}  # ordered set of calls holding for backward
+        self._callback_queued = False
+        self._detector = ExternalUseDetector(self._on_use) if detect_external_params else None
+        self._forward_depth = 0
+        self._grad_ready_hooks: Dict[int, Callable] = OrderedDict()
+        self._backward_end_hooks: Dict[int, Callable] = OrderedDict()
+        self._persistent_holder = _Persistent()
+        self.persistent = self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
+        for state in self._states.values():
+            state.register()
+        self._grad_handles = [zp.param.register_post_accumulate_grad_hook(self._make_grad_hook(zp))
+                              for zp in self._params if zp.param.requires_grad]
+        _INSTALLED[module] = self
+        logger.debug("ZeRO-3 hooks on %d modules; %d parameters (%d elements), %d persistent (%d elements)",
+                     len(self._states), len(self._params), sum(zp.numel for zp in self._params),
+                     len(self.persistent), sum(zp.numel for zp in self.persistent))
+
+    # -- construction ------------------------------------------------------------------------------------
+
+    def _name_params(self) -> List[ZeroParam]:
+        params: Dict[int, ZeroParam] = OrderedDict()
+        for name, p in self.module.named_parameters():
+            zp = zero_param_of(p)
+            if zp is not None and id(zp) not in params:
+                zp.name = name
+                params[id(zp)] = zp
+        return list(params.values())
+
+    def _mark_persistent(self, param_threshold: int, model_threshold: int) -> List[ZeroParam]:
+        chosen, total = [], 0
+        for zp in self._params:
+            if zp.numel <= param_threshold and total + zp.numel <= model_threshold:
+                chosen.append(zp)
+                total += zp.numel
+        for zp in chosen:
+            zp.set_persistent(True)
+        fetch(chosen, self._persistent_holder, FetchSite(FetchKind.PERSIST, 0, "<root>", self.describe_module),
+              self.check_fetch_order)
+        return chosen
+
+    def _make_grad_hook(self, zp: ZeroParam):
+        def grad_ready(param):
+            for hook in list(self._grad_ready_hooks.values()):
+                hook(zp)
+        return grad_ready
+
+    # -- what the hooks use ------------------------------------------------------------------------------
+
+    def describe_module(self, index: int) -> str:
+        return self._module_names[index] if 0 <= index < len(self._module_names) else f"#{index}"
+
+    @property
+    def params(self) -> List[ZeroParam]:
+        return list(self._params)
+
+    def state_of(self, module: torch.nn.Module) -> ModuleState:
+        return self._states[module]
+
+    def push(self, call: ModuleCall) -> None:
+        self._stack.append(call)
+
+    def pop(self) -> ModuleCall:
+        return self._stack.pop()
+
+    def top(self) -> Optional[ModuleCall]:
+        return self._stack[-1] if self._stack else None
+
+    def enter_forward(self) -> None:
+        """The root's forward begins (nested calls of the root count once)."""
+        if self._forward_depth == 0:
+            if self._callback_queued and not _in_backward():
+                self._end_of_backward()  # the last backward raised before its callback ran
+            if self._detector is not None:
+                self._detector.__enter__()
+        self._forward_depth += 1
+
+    def exit_forward(self) -> None:
+        self._forward_depth -= 1
+        if self._forward_depth == 0:
+            self._stack.clear()
+            if self._detector is not None:
+                self._detector.__exit__(None, None, None)
+
+    def _on_use(self, zp: ZeroParam) -> None:
+        """The detector saw ``zp`` passed to a torch function during forward."""
+        call = self.top()
+        if call is None or zp.persist or zp.held_by(call):
+            return
+        module = call.state.module
+        logger.debug("%s is used in the forward of %r: registered as external to it", zp.name, call.state.name)
+        register_external_parameter(module, zp.param)
+        call.params.append(zp)
+        fetch([zp], call, call.state.site(FetchKind.EXTERNAL), self.check_fetch_order)
+
+    def queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        with internal.section():
+            for call in list(self.backward_calls):
+                call.to_idle()
+                release(call.params, call)
+            self.backward_calls.clear()
+        for hook in list(self._backward_end_hooks.values()):
+            hook()
+
+    # -- hook points for the engine ----------------------------------------------------------------------
+
+    def register_grad_ready_hook(self, hook: Callable[[ZeroParam], None]) -> RemovableHandle:
+        """``hook(zero_param)`` runs once per backward for each trainable parameter, when its full
+        gradient has been accumulated into ``param.grad`` (a post-accumulate-grad hook): where the
+        reducer takes the gradient, reduce-scatters it into the pieces and clears ``param.grad``."""
+        handle = RemovableHandle(self._grad_ready_hooks)
+        self._grad_ready_hooks[handle.id] = hook
+        return handle
+
+    def register_backward_end_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """``hook()`` runs at the end of each backward pass, after the leftover parameters were released."""
+        handle = RemovableHandle(self._backward_end_hooks)
+        self._backward_end_hooks[handle.id] = hook
+        return handle
+
+    def release_all(self, include_persistent: bool = True) -> None:
+        """Partition every parameter no module call or GatheredParameters context holds (DeepSpeed's
+        ``empty_partition_cache``). Persistent parameters are gathered again on their next use."""
+        with internal.section():
+            for call in list(self.backward_calls):
+                call.to_idle()
+                release(call.params, call)
+            self.backward_calls.clear()
+            if include_persistent:
+                release(self.persistent, self._persistent_holder)
+                for zp in self.persistent:
+                    if zp.status is ZeroParamStatus.AVAILABLE and not zp.holders:
+                        zp.to_partitioned()
+
+    def refresh_persistent(self) -> None:
+        """Gather persistent parameters again from their pieces (after an optimizer step). Collective."""
+        release(self.persistent, self._persistent_holder)
+        for zp in self.persistent:
+            if zp.status is ZeroParamStatus.AVAILABLE and not zp.holders:
+                zp.to_partitioned()
+        fetch(self.persistent, self._persistent_holder,
+              FetchSite(FetchKind.PERSIST, 0, "<root>", self.describe_module), self.check_fetch_order)
+
+    def destroy(self) -> None:
+        """Remove every hook and partition everything; the parameters stay ZeRO-3 parameters (usable
+        with GatheredParameters, or with a new ZeroModel)."""
+        for state in self._states.values():
+            state.destroy()
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+        if self._forward_depth and self._detector is not None:
+            self._detector.__exit__(None, None, None)
+        self._forward_depth = 0
+        self.release_all(include_persistent=True)
+        for zp in self.persistent:
+            zp.set_persistent(False)
+        self.persistent = []
+        _INSTALLED.pop(self.module, None)

@@ -1,0 +1,293 @@
+"""ZeroParam: the one owner of a partitioned parameter's state.
+
+A ZeRO-3 parameter is the user's own ``torch.nn.Parameter`` object (its identity never changes: the
+user's references, ``named_parameters()`` and optimizer param groups stay valid). What changes is its
+``.data``: the full tensor while gathered, an empty tensor (shape ``[0]``) while partitioned. Everything
+else about it -- its piece of the value, its status, who is using it -- lives in one ZeroParam.
+
+[Note: the ds_* facade]
+DeepSpeed's attributes (``ds_id``, ``ds_shape``, ``ds_numel``, ``ds_tensor``, ``ds_status``,
+``ds_persist``, ``ds_process_group``) are set on the Parameter because third-party code (HF
+Transformers, Accelerate, PEFT) reads them. They are a read-only front: ZeroParam writes them in
+``_publish()`` after each of its own transitions, and no other code in zero_ext writes them. Internal
+code never reads them either; it goes through the owner, ``zero_param_of(param)``. Each transition
+first checks that the front still says what the owner last wrote, so a foreign write is reported
+instead of silently desynchronising the two. Two more attributes complete the front: the owner's
+back-pointer ``_zero_owner``, and ``__deepcopy__`` (``copy.deepcopy`` looks it up on the instance;
+Parameter's own would copy the empty data, ours copies the piece).
+
+[Note: freeing gathered storage]
+The full value lives in ``_padded``, a flat tensor of ``world * shard_numel`` elements on the compute
+device owned by this ZeroParam; ``_full`` is a view of its first ``ds_numel`` elements in ``ds_shape``.
+Gathering makes ``param.data`` that view; partitioning sets ``param.data`` to an empty tensor *and*
+resizes ``_padded``'s storage to zero bytes. The second step matters: autograd saves views of weights
+(``F.linear`` saves ``weight.t()``), and those views would otherwise keep every gathered weight alive
+from forward until backward -- the reason DeepSpeed replaces ``F.linear`` (its "memory efficient
+linear"). Freeing the storage itself releases the memory while the views stay valid objects; the
+pre-backward hook re-gathers into the same storage before any of them is read (FSDP2 does the same:
+its ``[Note: FSDP and autograd]``). Reading such a view while partitioned raises a RuntimeError
+("setStorage: ... requiring a storage size"), never reads freed memory. The all-gather writes straight
+into ``_padded`` (one parameter) or is copied out into it (several, see collectives.py), so there is
+one allocation per gather and nothing to trim.
+"""
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .. import planner
+from .status import ZeroParamStatus
+
+#: ds_id of the next parameter converted in this process (DeepSpeed numbers parameters in construction
+#: order, process-wide; the numbering is identical on every rank when every rank builds the same model).
+_next_ds_id = 0
+#: ds_id -> ZeroParam, for naming a parameter another rank mentions (error messages only).
+_BY_DS_ID: "weakref.WeakValueDictionary[int, ZeroParam]" = weakref.WeakValueDictionary()
+
+
+
+def next_ds_id() -> int:
+    """Take the next ds_id."""
+    global _next_ds_id
+    _next_ds_id += 1
+    return _next_ds_id - 1
+
+
+def peek_ds_id() -> int:
+    """The ds_id the next converted parameter will get."""
+    return _next_ds_id
+
+
+def is_zero_param(obj: Any) -> bool:
+    """True for a tensor partitioned by ZeRO-3 (DeepSpeed's test: a tensor with a ``ds_id``)."""
+    return isinstance(obj, torch.Tensor) and hasattr(obj, "ds_id")
+
+
+def zero_param_of(param: torch.Tensor) -> Optional["ZeroParam"]:
+    """The owner of a ZeRO-3 parameter, or None for any other tensor."""
+    return getattr(param, "_zero_owner", None)
+
+
+def zero_param_by_ds_id(ds_id: int) -> Optional["ZeroParam"]:
+    return _BY_DS_ID.get(ds_id)
+
+
+class ZeroParam:
+    """One parameter's pieces, full storage, status and users.
+
+    Created from a parameter whose full value is still in ``param.data`` and from this rank's piece of
+    it (``shard``: ``shard_numel`` elements, padding zeroed), which the caller has already cut (see
+    convert.py): the constructor publishes the facade and leaves the parameter partitioned.
+
+    Holders: whoever needs the full value (a module call, a GatheredParameters context, persistence)
+    ``hold()``s it, and it may only be partitioned when nobody holds it (DeepSpeed's
+    ``ds_active_sub_modules``). The holders are kept here, with the status they protect.
+    """
+
+    def __init__(self, param: torch.nn.Parameter, ds_id: int, group, rank: int, world: int,
+                 shard: torch.Tensor, compute_device: torch.device, shape: Optional[torch.Size] = None):
+        if zero_param_of(param) is not None:
+            raise RuntimeError(f"parameter ds_id={param.ds_id} is already partitioned by ZeRO-3")
+        self.param = param
+        self.ds_id = ds_id
+        self.shape = torch.Size(param.shape if shape is None else shape)
+        self.numel = self.shape.numel()
+        self.dtype = param.dtype
+        self.group, self.rank, self.world = group, rank, world
+        self.shard_numel = planner.shard_numel(self.numel, world)
+        if shard.shape != (self.shard_numel,):
+            raise ValueError(f"shard of {tuple(shard.shape)} for a parameter of {self.numel} elements in "
+                             f"{world} pieces; expected ({self.shard_numel},)")
+        self.shard = shard
+        self.compute_device = torch.device(compute_device)
+        self.status = ZeroParamStatus.AVAILABLE  # the parameter still holds its full value
+        self.persist = False
+        self.name = f"ds_id={ds_id}"  # replaced by the parameter's qualified name once a model is known
+        self._padded: Optional[torch.Tensor] = None
+        self._full: Optional[torch.Tensor] = None
+        self._holders: Dict[Any, None] = {}  # an ordered set
+        self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
+        shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
+        param._zero_owner = self
+        param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
+        _BY_DS_ID[ds_id] = self
+        self._publish()
+        self._partition_data()
+
+    # -- the facade --------------------------------------------------------------------------------------
+
+    def _publish(self) -> None:
+        """Write the ds_* front (see [Note: the ds_* facade]); the only writer."""
+        p = self.param
+        p.ds_id, p.ds_shape, p.ds_numel = self.ds_id, self.shape, self.numel
+        p.ds_tensor, p.ds_status, p.ds_persist = self.shard, self.status, self.persist
+        p.ds_process_group = self.group
+
+    def _check_facade(self) -> None:
+        p = self.param
+        if p.ds_status is not self.status or p.ds_tensor is not self.shard or p.ds_persist is not self.persist:
+            raise RuntimeError(
+                f"ZeRO-3 parameter {self.name}: its ds_status/ds_tensor/ds_persist attributes were changed "
+                "by code outside zero_ext. They are read-only: gather with zero_ext.zero.GatheredParameters, "
+                "and change the piece through the engine's safe_set_* functions.")
+
+    def _assert_status(self, *allowed: ZeroParamStatus) -> None:
+        if self.status not in allowed:
+            names = " or ".join(s.name for s in allowed)
+            raise RuntimeError(f"ZeRO-3 parameter {self.name} is {self.status.name}, expected {names} "
+                               f"(holders: {self.describe_holders()})")
+
+    # -- transitions -------------------------------------------------------------------------------------
+
+    def to_inflight(self) -> torch.Tensor:
+        """NOT_AVAILABLE -> INFLIGHT: allocates the full storage and returns the flat padded buffer
+        (``world * shard_numel`` elements) for the all-gather to fill."""
+        self._check_facade()
+        self._assert_status(ZeroParamStatus.NOT_AVAILABLE)
+        nbytes = self.world * self.shard_numel * self.param.element_size()
+        if self._padded is None:
+            self._padded = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.compute_device)
+            self._full = self._padded[: self.numel].view(self.shape)
+        elif self._padded.untyped_storage().nbytes() != nbytes:
+            self._padded.untyped_storage().resize_(nbytes)
+        self.status = ZeroParamStatus.INFLIGHT
+        self._publish()
+        return self._padded
+
+    def to_gathered(self) -> None:
+        """INFLIGHT -> AVAILABLE: the buffer holds every rank's piece; ``param.data`` becomes the full
+        view."""
+        self._check_facade()
+        self._assert_status(ZeroParamStatus.INFLIGHT)
+        self.param.data = self._full
+        self.status = ZeroParamStatus.AVAILABLE
+        self._publish()
+
+    def to_partitioned(self) -> None:
+        """AVAILABLE -> NOT_AVAILABLE: drops the full value (without writing it back to the piece; see
+        ``write_back``). Refused while someone holds the parameter."""
+        self._check_facade()
+        self._assert_status(ZeroParamStatus.AVAILABLE)
+        if self._holders:
+            raise RuntimeError(f"ZeRO-3 parameter {self.name} cannot be partitioned: still in use by "
+                               f"{self.describe_holders()}")
+        self._partition_data()
+
+    def _partition_data(self) -> None:
+        self.param.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+        if self._padded is not None:
+            self._padded.untyped_storage().resize_(0)  # see [Note: freeing gathered storage]
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+        self._publish()
+
+    # -- the piece ---------------------------------------------------------------------------------------
+
+    def write_back(self) -> None:
+        """Copy this rank's part of the (gathered, possibly modified) full value into the piece, with the
+        padding zeroed, then tell the update hooks. The full value is ``param.data``: if code replaced it
+        (``param.data = t``) rather than writing into it, ``t`` is copied into the full storage first."""
+        self._check_facade()
+        self._assert_status(ZeroParamStatus.AVAILABLE)
+        self.adopt_replaced_data()
+        flat = self._full.reshape(-1)
+        start = self.rank * self.shard_numel
+        valid = planner.shard_valid(self.numel, self.world, self.rank)
+        with torch.no_grad():
+            self.shard[:valid].copy_(flat[start: start + valid])
+            self.shard[valid:].zero_()
+        for hook in list(self._update_hooks.values()):
+            hook(self)
+
+    def adopt_replaced_data(self) -> None:
+        """If ``param.data`` was replaced while gathered, copy the new value into the full storage and
+        point ``param.data`` back at it (the shape must not change)."""
+        data = self.param.data
+        if data.data_ptr() == self._full.data_ptr() and data.shape == self.shape:
+            return
+        if data.shape != self.shape:
+            raise RuntimeError(f"ZeRO-3 parameter {self.name}: param.data was replaced by a tensor of shape "
+                               f"{tuple(data.shape)}; a partitioned parameter keeps its shape {tuple(self.shape)}")
+        with torch.no_grad():
+            self._full.copy_(data)
+        self.param.data = self._full
+
+    @property
+    def full(self) -> torch.Tensor:
+        """The full value (AVAILABLE only): a view of the gathered storage in ``ds_shape``."""
+        self._assert_status(ZeroParamStatus.AVAILABLE)
+        return self._full
+
+    def replace_shard(self, new_shard: torch.Tensor) -> None:
+        """Move the piece into ``new_shard`` (e.g. a view into the engine's contiguous buffer of all
+        pieces, DeepSpeed's "defragmentation"); the current values are copied into it."""
+        if new_shard.shape != (self.shard_numel,):
+            raise ValueError(f"{self.name}: new piece has shape {tuple(new_shard.shape)}, expected "
+                             f"({self.shard_numel},)")
+        self._check_facade()
+        with torch.no_grad():
+            new_shard.copy_(self.shard)
+        new_shard.ds_numel = self.shard_numel
+        self.shard = new_shard
+        self._publish()
+
+    def register_update_hook(self, hook: Callable[["ZeroParam"], None]) -> RemovableHandle:
+        """``hook(zero_param)`` runs after the piece was overwritten from a modified full value
+        (GatheredParameters with a ``modifier_rank``, Module.apply under zero.Init): the place where the
+        engine's fp32 master copy of the piece follows."""
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
+
+    # -- holders and persistence -------------------------------------------------------------------------
+
+    def hold(self, holder: Any) -> None:
+        self._holders[holder] = None
+
+    def unhold(self, holder: Any) -> bool:
+        """Forget ``holder``; True when nobody holds the parameter any more."""
+        self._holders.pop(holder, None)
+        return not self._holders
+
+    def held_by(self, holder: Any) -> bool:
+        return holder in self._holders
+
+    @property
+    def holders(self):
+        return tuple(self._holders)
+
+    def describe_holders(self) -> str:
+        return ", ".join(str(h) for h in self._holders) or "nobody"
+
+    def set_persistent(self, persist: bool) -> None:
+        """Persistent parameters stay gathered on every rank (under the persistence thresholds); the
+        flag is what ``ds_persist`` shows."""
+        self._check_facade()
+        self.persist = persist
+        self._publish()
+
+    def deepcopy(self, memo: dict) -> torch.nn.Parameter:
+        """``copy.deepcopy`` of the parameter (e.g. nn.TransformerEncoder cloning its layer under
+        zero.Init): a new partitioned parameter with a copy of this rank's piece. No communication."""
+        if id(self.param) in memo:
+            return memo[id(self.param)]
+        copy = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.compute_device),
+                                  requires_grad=self.param.requires_grad)
+        memo[id(self.param)] = copy
+        owner = ZeroParam(copy, next_ds_id(), self.group, self.rank, self.world, self.shard.clone(),
+                          self.compute_device, self.shape)
+        owner.name = self.name
+        return copy
+
+    def summary(self) -> dict:
+        """DeepSpeed's ``ds_summary()`` fields, for bug reports."""
+        return {"id": self.ds_id, "name": self.name, "status": self.status.name, "numel": self.param.numel(),
+                "ds_numel": self.numel, "shape": tuple(self.param.shape), "ds_shape": tuple(self.shape),
+                "requires_grad": self.param.requires_grad,
+                "grad_shape": None if self.param.grad is None else tuple(self.param.grad.shape),
+                "persist": self.persist, "holders": self.describe_holders(),
+                "ds_tensor.shape": tuple(self.shard.shape)}
+
+    def __repr__(self) -> str:
+        return f"ZeroParam({self.name}, ds_id={self.ds_id}, shape={tuple(self.shape)}, {self.status.name})"
