@@ -83,5 +83,6 @@ def lm_loss(logits, target):
 
 
 def count_params(model: nn.Module) -> int:
-    """Distinct trainable elements (a tied matrix counts once, as in model.parameters())."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    """Distinct trainable elements (a tied matrix counts once, as in model.parameters()); a ZeRO-3
+    parameter counts its full size (ds_numel), not its empty partitioned shape."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)

@@ -128,9 +128,13 @@ def main():
 
     corpus = CharCorpus(os.path.join(HERE, "corpus.txt"))
     torch.manual_seed(args.seed)
-    gpt = GPT(corpus.vocab_size, d=192, heads=4, layers=4, block=args.block)  # ~1.8M parameters
+    config = ds_config(stage, args)
+    # ZeRO-3: each module's parameters are partitioned as its constructor returns, so no rank ever
+    # holds the whole model (zero.Init is a no-op context below stage 3)
+    with zero_ext.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+        gpt = GPT(corpus.vocab_size, d=192, heads=4, layers=4, block=args.block)  # ~1.8M parameters
     n_params = count_params(gpt)
-    engine, _, _, _ = zero_ext.initialize(model=gpt, config=ds_config(stage, args))
+    engine, _, _, _ = zero_ext.initialize(model=gpt, config=config)
     if rank == 0:
         print(f"zero_ext demo: ZeRO stage {stage}, {'bf16' if args.bf16 else 'fp32'}, {world} ranks (gloo), "
               f"{n_params / 1e6:.2f}M parameters, vocab {corpus.vocab_size}, "

@@ -47,6 +47,15 @@ CASES = [
     # the combinations users run most, in full
     (2, "fp32", 2, 1, "gpt", 1.0, {"overlap_comm": True, "reduce_bucket_size": 200}),
     (2, "bf16", 2, 1, "gpt", 1.0, {}),
+    # ZeRO-3 (persistence threshold 0 unless stated: tiny test parameters would all stay whole)
+    (3, "fp32", 1, 3, "gpt", 0.0, {"sub_group_size": 100, "stage3_param_persistence_threshold": 0}),
+    (3, "fp32", 2, 1, "mlp", 1.0, {"reduce_bucket_size": 50, "stage3_param_persistence_threshold": 20}),
+    (3, "fp32", 4, 3, "gpt", 1.0, {"overlap_comm": True, "reduce_bucket_size": 200,
+                                   "stage3_param_persistence_threshold": 0}),
+    (3, "bf16", 2, 3, "gpt", 1.0, {"stage3_param_persistence_threshold": 0}),
+    (3, "bf16", 4, 1, "mlp", 1.0, {"sub_group_size": 50, "stage3_param_persistence_threshold": 0}),
+    (3, "bf16", 1, 1, "mlp", 1.0, {"overlap_comm": False, "stage3_param_persistence_threshold": 0}),
+    (3, "fp32", 2, 3, "mlp", 1.0, {}),  # the default threshold: every parameter persistent
     # top-level keys that change how gradients are averaged and in which dtype they travel
     (2, "bf16", 2, 3, "gpt", 1.0, {"_top": {"communication_data_type": "fp32"}}),
     (0, "bf16", 4, 1, "mlp", 1.0, {"_top": {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "bf16"}}}),
@@ -112,7 +121,8 @@ def _train_engine(case):
             engine.step()
             losses.append(loss.item())
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas
-    params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return losses, params
 

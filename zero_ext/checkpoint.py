@@ -44,6 +44,12 @@ def optim_file(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
+def _refuse_stage3(engine, what: str) -> None:
+    if engine.config.zero_optimization.stage == 3:
+        raise NotImplementedError(f"{what}: ZeRO stage 3 checkpoints are not implemented by zero_ext yet (stages "
+                                  "0-2 are); save_16bit_model() exports the weights meanwhile")
+
+
 # -- every rank must call ---------------------------------------------------------------------------------
 
 def check_all_ranks_call(what: str, seq: int, timeout: float = None) -> None:
@@ -109,6 +115,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
+    _refuse_stage3(engine, "save_checkpoint")
     engine._collective_seq += 1
     check_all_ranks_call("save_checkpoint", engine._collective_seq)
     rank, world = engine.global_rank, engine.world_size
@@ -218,6 +225,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                     load_module_only: bool = False, custom_load_fn=None) -> Tuple[Optional[str], Optional[dict]]:
     if custom_load_fn is not None:
         raise ValueError("load_checkpoint: custom_load_fn is not supported by zero_ext")
+    _refuse_stage3(engine, "load_checkpoint")
     engine._collective_seq += 1
     check_all_ranks_call("load_checkpoint", engine._collective_seq)
     if tag is None:

@@ -28,9 +28,11 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 class ZeroEngine(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, config, base_optimizer: torch.optim.Optimizer,
-                 lr_scheduler=None, training_dataloader=None, device: Optional[torch.device] = None):
+                 lr_scheduler=None, training_dataloader=None, device: Optional[torch.device] = None,
+                 zero_model=None):
         super().__init__()
         self.module = module
+        self.zero_model = zero_model  # stage 3: the parameter-side hooks (zero/model.py)
         self._config = config
         self.device = device or torch.device("cpu")
         self.global_rank, self.world_size = comm.get_rank(), comm.get_world_size()
@@ -55,6 +57,8 @@ class ZeroEngine(torch.nn.Module):
     def _build_zero_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
         zc = self._config.zero_optimization
         stage = zc.stage
+        if stage == 3:
+            return self._build_stage3_optimizer(base)
         groups: List[Optional[FlatGroup]] = []
         for group in base.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -77,6 +81,30 @@ class ZeroEngine(torch.nn.Module):
             reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
         return ZeroOptimizer(base, groups, reducer, stage, cfg.gradient_clipping, zc.allgather_bucket_size,
                              self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
+
+    def _averaging(self, model_dtype: torch.dtype) -> Averaging:
+        cfg = self._config
+        comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
+        return Averaging(self.world_size, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
+
+    def _build_stage3_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
+        from .stage3 import ShardReducer, build_shard_groups
+
+        cfg, zc = self._config, self._config.zero_optimization
+        _, groups = build_shard_groups(base, self.zero_model, zc.sub_group_size, self.global_rank, self.world_size)
+        reducer = ShardReducer(groups, self.zero_model, zc.reduce_bucket_size, zc.overlap_comm,
+                               self._averaging(groups[0].dtype), self.global_rank, self.world_size,
+                               zc.ignore_unused_parameters)
+        opt = ZeroOptimizer(base, groups, reducer, 3, cfg.gradient_clipping, zc.allgather_bucket_size,
+                            self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
+        opt.after_step_hooks.append(self.zero_model.refresh_persistent)
+        return opt
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: releases every gathered parameter, persistent ones too (the next forward gathers
+        them again). A no-op below stage 3, as in DeepSpeed."""
+        if self.zero_model is not None:
+            self.zero_model.release_all(include_persistent=True)
 
     # -- nn.Module --------------------------------------------------------------------------------------
 
@@ -250,8 +278,14 @@ class ZeroEngine(torch.nn.Module):
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """The model's weights in their training dtype (whole on every rank below stage 3)."""
-        sd = self.module.state_dict()
+        """The model's weights in their training dtype, whole (stage 3: gathered; collective there)."""
+        if self.zero_model is not None:
+            from .zero import GatheredParameters
+
+            with GatheredParameters(list(self.module.parameters())):
+                sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        else:
+            sd = self.module.state_dict()
         if exclude_frozen_parameters:
             for n, p in self.module.named_parameters():
                 if not p.requires_grad:
@@ -266,6 +300,12 @@ class ZeroEngine(torch.nn.Module):
 
         self._collective_seq += 1
         check_all_ranks_call("save_16bit_model", self._collective_seq)
+        zc = self._config.zero_optimization
+        if zc.stage == 3 and not zc.gather_16bit_weights_on_model_save:
+            logger.warning("save_16bit_model: ZeRO-3 weights are partitioned; set "
+                           "zero_optimization.gather_16bit_weights_on_model_save (or its stage3_ alias) to true "
+                           "to gather and save them. Nothing was saved.")
+            return False
         sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.global_rank == 0:
             import os
@@ -300,7 +340,10 @@ class ZeroEngine(torch.nn.Module):
         reload_states(self, non_blocking)
 
     def destroy(self) -> None:
-        """Removes the hooks the engine installed (stage 2)."""
+        """Removes the hooks the engine installed (stage 2 gradient hooks; stage 3 module hooks)."""
         remove = getattr(self.optimizer.reducer, "remove_hooks", None)
         if remove:
             remove()
+        if self.zero_model is not None:
+            self.zero_model.destroy()
+            self.zero_model = None

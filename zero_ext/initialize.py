@@ -65,13 +65,16 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
                          "to the config")
 
     device = _device()
-    model.to(device)
-    if cfg.bf16.enabled:
-        model.to(torch.bfloat16)
-    elif cfg.fp16.enabled:
-        model.to(torch.float16)
-    if world > 1:
-        _broadcast_from_rank0(model)
+    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
+    zero_model = None
+    if cfg.zero_optimization.stage == 3:
+        zero_model = _install_stage3(model, cfg, device, dtype, world)
+    else:
+        model.to(device)
+        if dtype is not None:
+            model.to(dtype)
+        if world > 1:
+            _broadcast_from_rank0(model)
 
     groups = _param_groups(model, model_parameters)
     if optimizer is None:
@@ -89,13 +92,41 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
                         f"{type(optimizer).__name__}")
     _check_zero_optimizer(base, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
-    engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device)
+    engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device, zero_model=zero_model)
     # a client scheduler (object, or callable taking the optimizer) wins over the config's section
     engine.lr_scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, engine.optimizer, basic_optimizer=base)
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, world: int):
+    """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
+    under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
+    from .zero import ZeroModel
+    from .zero.param import zero_param_of
+
+    want = dtype or torch.float32
+    with torch.no_grad():
+        for p in model.parameters():
+            zp = zero_param_of(p)
+            if zp is not None:
+                if zp.dtype != want:
+                    raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
+                                     f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
+                                     "under zero.Init(config_dict_or_path=<the same config>) so they agree")
+            else:
+                p.data = p.data.to(device=device, dtype=want if p.is_floating_point() else p.dtype)
+        for m in model.modules():
+            for name, b in list(m.named_buffers(recurse=False)):
+                cast = want if b.is_floating_point() and dtype is not None else b.dtype
+                setattr(m, name, b.to(device=device, dtype=cast))
+                if world > 1:
+                    dist.broadcast(getattr(m, name), src=0)
+    zc = cfg.zero_optimization
+    return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
+                     model_persistence_threshold=zc.model_persistence_threshold)
 
 
 def _check_grad_accum_dtype(cfg) -> None:

@@ -88,6 +88,8 @@ def _repoint(engine) -> None:
 
 def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                    non_blocking: bool = False) -> None:
+    if engine.config.zero_optimization.stage == 3:
+        raise NotImplementedError("offload_states: ZeRO stage 3 is not supported by zero_ext yet (stages 0-2 are)")
     if OffloadDeviceEnum(device) != OffloadDeviceEnum.cpu:
         raise ValueError(f"offload_states: device {device!r} is not supported; states offload to 'cpu'")
     kinds = [OffloadStateTypeEnum(k) for k in include] if include is not None else list(OffloadStateTypeEnum)

@@ -55,6 +55,7 @@ class ZeroOptimizer:
         self.grads_valid = False  # between a backward and the step that applies it (state.py's lifecycle)
         self.reduced = False  # this step's gradients are averaged already
         self.at_boundary = lambda: True  # the engine replaces it with its own accumulation test
+        self.after_step_hooks = []  # run after each applied step (stage 3: refresh persistent parameters)
         # each trainable parameter knows its place, for the state routines (state.py)
         for gi, g in enumerate(self.flat_groups):
             for i, p in enumerate(g.params):
@@ -141,9 +142,11 @@ class ZeroOptimizer:
         self.optimizer.step()
         for g in self.flat_groups:
             g.copy_master_to_params()
-        if self.stage >= 1 and self.world > 1:
-            self.all_gather_params()
+        if self.stage in (1, 2) and self.world > 1:
+            self.all_gather_params()  # (stage 3 needs none: modules gather the new pieces when they run)
         self._end_of_step()
+        for hook in self.after_step_hooks:
+            hook()
         self.loss_scaler.update(False)
         return True
 

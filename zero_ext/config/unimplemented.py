@@ -24,8 +24,6 @@ Entry = Union[str, Dict[str, Any]]
 
 UNIMPLEMENTED: Dict[str, Entry] = {
     # -- ZeRO stage 3 and its relatives --------------------------------------------------------
-    "zero_optimization.stage": {"reason": "ZeRO stage 3 (parameter partitioning)",
-                                "values": [3]},
     "zero_optimization.offload_param.device": "parameter offload to CPU/NVMe (ZeRO-Infinity)",
     "zero_optimization.offload_optimizer.device": "optimizer offload to CPU/NVMe (ZeRO-Offload)",
     "zero_optimization.offload_optimizer.ratio": "partial optimizer offload (ratio < 1)",
@@ -47,7 +45,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.module_granularity_threshold": "automatic leaf modules by granularity",
     "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",
     "zero_optimization.allgather_sequential": "sequential parameter all-gather",
-    "zero_optimization.override_module_apply": "turning off the Module.apply override",
     "zero_optimization.log_trace_cache_warnings": "trace-cache warnings",
     "zero_optimization.round_robin_gradients": "round-robin gradient partitioning",
     "zero_optimization.elastic_checkpoint": "elastic checkpoints",

@@ -1,0 +1,227 @@
+"""ZeRO stage 3, optimizer side: sub-groups of pieces, gradient reduce-scatter into them, the step.
+
+The parameter side — pieces, gathering around each module, zero.Init — is zero_ext/zero/ (ZeroModel).
+Here:
+- ``ShardGroup``: one optimizer sub-group (planner.sub_groups: whole parameters, DeepSpeed's
+  boundaries). Its parameters' pieces are moved back to back into one buffer (DeepSpeed's
+  "defragmentation"), so the fp32 master of the sub-group is one tensor — the buffer itself when the
+  model is fp32 — and so is its fp32 gradient partition. It has FlatGroup's interface, so the step
+  pipeline (zero_optimizer.py) and the state routines (state.py) serve stage 3 unchanged.
+- ``ShardReducer``: each parameter's full gradient (handed over by ZeroModel once per backward) goes
+  into a bucket; a full bucket is laid out rank-major (planner.shard_bucket_pieces: rank r's block
+  holds piece r of every parameter) and reduce-scattered — NCCL's reduce_scatter_tensor, or on gloo an
+  all-reduce of which each rank keeps its block (gloo's reduce-scatter is slower, or missing in older
+  torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
+  at most two in flight, and finished at the end of backward.
+After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
+at their next forward, and ZeroModel refreshes the persistent parameters.
+"""
+from typing import Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import planner
+from .grad_reduce import Averaging
+from .planner import Piece
+
+
+class ShardGroup:
+    partitioned = True
+    lp_grad = None
+
+    def __init__(self, zparams, rank: int, world: int):
+        self.zparams = zparams
+        self.params = [zp.param for zp in zparams]
+        self.numels = [zp.numel for zp in zparams]
+        self.shards = [zp.shard_numel for zp in zparams]
+        self.rank, self.world = rank, world
+        self.offsets, total = [], 0
+        for s in self.shards:
+            self.offsets.append(total)
+            total += s
+        self.part = self.padded = total
+        self.lo, self.hi = 0, total
+        self.dtype = zparams[0].dtype
+        device = zparams[0].shard.device
+        self.flat = torch.zeros(total, dtype=self.dtype, device=device)
+        for zp, off, s in zip(zparams, self.offsets, self.shards):
+            zp.replace_shard(self.flat[off:off + s])
+        fp32 = self.dtype == torch.float32
+        self.master = self.flat if fp32 else self.flat.float()
+        self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self.master.grad = self.grad
+        self._hooks = [zp.register_update_hook(self._piece_overwritten) for zp in zparams]
+
+    def _piece_overwritten(self, zp) -> None:
+        """GatheredParameters(modifier_rank=...) or Module.apply rewrote a piece: the master follows."""
+        if self.master.data_ptr() != self.flat.data_ptr():
+            i = self.params.index(zp.param)
+            off, s = self.offsets[i], self.shards[i]
+            with torch.no_grad():
+                self.master[off:off + s].copy_(self.flat[off:off + s])
+
+    def piece_of(self, i: int):
+        """This rank's piece of parameter i as a planner Piece (its real elements), or None."""
+        valid = planner.shard_valid(self.numels[i], self.world, self.rank)
+        if valid == 0:
+            return None
+        return Piece(i, self.rank, self.rank * self.shards[i], self.offsets[i], -1, valid)
+
+    def write_lp(self, i: int, value_piece: torch.Tensor, part_offset: int) -> None:
+        """Writes the model's copy of a piece (and of the full value, if it is gathered)."""
+        self.flat[part_offset:part_offset + value_piece.numel()].copy_(value_piece)
+
+    def copy_master_to_params(self) -> None:
+        if self.master.data_ptr() != self.flat.data_ptr():
+            self.flat.copy_(self.master)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(self.grad).double() ** 2
+
+    def tensors(self):
+        return [("params", self.flat), ("fp32_master", self.master), ("fp32_grads", self.grad)]
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class ShardReducer:
+    """Reduce-scatters full gradients into this rank's pieces during backward (see the module docstring)."""
+
+    MAX_IN_FLIGHT = 2
+
+    def __init__(self, groups: List[ShardGroup], zero_model, bucket_size: int, overlap: bool, averaging: Averaging,
+                 rank: int, world: int, ignore_unused: bool, process_group=None):
+        self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
+        self.bucket_size = max(1, bucket_size)
+        self.dtype = averaging.comm_dtype
+        self.where: Dict[int, Tuple[int, int]] = {id(zp): (gi, i) for gi, g in enumerate(groups)
+                                                  for i, zp in enumerate(g.zparams)}
+        self.bucket: List = []
+        self.bucket_numel = 0
+        self.pending: List = []
+        self.seen = set()
+        self.buffers: List[torch.Tensor] = []  # in flight, for memory accounting
+        self.handles = [zero_model.register_grad_ready_hook(self._on_grad),
+                        zero_model.register_backward_end_hook(self.finish_backward)]
+
+    def _on_grad(self, zp) -> None:
+        if id(zp) not in self.where:
+            return  # not trained by this engine (frozen, or outside its param groups)
+        if self.bucket and self.bucket_numel + zp.numel > self.bucket_size:
+            self.flush()
+        self.bucket.append(zp)
+        self.bucket_numel += zp.numel
+        self.seen.add(id(zp))
+
+    def flush(self) -> None:
+        members, self.bucket, self.bucket_numel = self.bucket, [], 0
+        if not members:
+            return
+        while len(self.pending) >= self.MAX_IN_FLIGHT:
+            self._complete(self.pending[0])
+        numels = [zp.numel for zp in members]
+        block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
+        buf = torch.zeros(self.world * block, dtype=self.dtype, device=members[0].shard.device)
+        grads = [zp.param.grad.reshape(-1) for zp in members]
+        for p in pieces:
+            buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
+        for zp in members:
+            zp.param.grad = None  # copied: the full gradient is freed now
+        handle = None
+        if self.world > 1:
+            if self.avg.pre != 1.0:
+                buf.mul_(self.avg.pre)
+            if buf.is_cuda:
+                out = torch.empty(block, dtype=self.dtype, device=buf.device)
+                handle = dist.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
+                buf = out
+            else:
+                handle = dist.all_reduce(buf, group=self.pg, async_op=self.overlap)
+                buf = buf[self.rank * block:(self.rank + 1) * block]
+        entry = (handle, buf, members)
+        self.buffers.append(buf)
+        if self.overlap and handle is not None:
+            self.pending.append(entry)
+        else:
+            self._complete(entry)
+
+    def _complete(self, entry) -> None:
+        handle, block, members = entry
+        if handle is not None:
+            handle.wait()
+        post = self.avg.post if self.world > 1 else 1.0
+        pos = 0
+        for zp in members:
+            gi, i = self.where[id(zp)]
+            g = self.groups[gi]
+            dst = g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]]
+            src = block[pos:pos + g.shards[i]]
+            if post != 1.0:
+                dst.add_(src.float(), alpha=post)
+            else:
+                dst.add_(src)
+            pos += g.shards[i]
+        self.pending = [e for e in self.pending if e is not entry]
+        self.buffers = [b for b in self.buffers if b is not block]
+
+    def wait_all(self) -> None:
+        while self.pending:
+            self._complete(self.pending[0])
+
+    def finish_backward(self) -> None:
+        self.flush()
+        self.wait_all()
+        unused = [zp.name for g in self.groups for zp in g.zparams if id(zp) not in self.seen]
+        self.seen = set()
+        if unused and not self.ignore_unused:
+            raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
+                               f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
+                               "allow parameters unused in a step.")
+
+    def reduce(self, world: int) -> None:
+        self.flush()
+        self.wait_all()
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+
+    def tensors(self):
+        return [("comm_buffers", b) for b in self.buffers]
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for g in self.groups:
+            g.remove_hooks()
+
+
+def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int):
+    """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
+    (groups per base group — lists of ShardGroup —, all ShardGroups in order)."""
+    per_group, flat = [], []
+    for group in base.param_groups:
+        zps = [getattr(p, "_zero_owner", None) for p in group["params"] if p.requires_grad]
+        missing = [z for z in zps if z is None]
+        if missing:
+            raise RuntimeError("ZeRO-3: a trainable parameter of the optimizer is not partitioned by the model's "
+                               "ZeRO-3 hooks (is it a parameter of another module?)")
+        zps = list({id(z): z for z in zps}.values())
+        if not zps:
+            group["params"] = []
+            per_group.append([])
+            continue
+        ids = planner.sub_groups([z.numel for z in zps], world, sub_group_size)
+        subs = []
+        for k in range(max(ids) + 1):
+            subs.append(ShardGroup([z for z, s in zip(zps, ids) if s == k], rank, world))
+        group["params"] = [s.master for s in subs]
+        per_group.append(subs)
+        flat += subs
+    return per_group, flat
