@@ -7,13 +7,15 @@ from models import MLP
 
 LR = 1e-2
 # pairwise over stage x world x accumulation
-CASES = [(0, 1, 1), (1, 2, 1), (2, 4, 1), (0, 2, 2), (1, 4, 2), (2, 1, 2), (2, 2, 2), (1, 1, 1), (0, 4, 1)]
+CASES = [(0, 1, 1), (1, 2, 1), (2, 4, 1), (0, 2, 2), (1, 4, 2), (2, 1, 2), (2, 2, 2), (1, 1, 1), (0, 4, 1),
+         (3, 1, 1), (3, 2, 2), (3, 4, 1)]
 
 
 def _config(stage, gas):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
+                                  **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
 
 
 def _batches(world, gas, steps):
@@ -53,6 +55,7 @@ def _reads(stage, world, gas):
             "exp_avg_sq": {n: utils.safe_get_full_optimizer_state(params[n], "exp_avg_sq") for n in names},
         })
     out.append({"frozen": utils.safe_get_full_fp32_param(engine.module.frozen.weight)})
+    engine.destroy()
     return out
 
 
@@ -94,16 +97,31 @@ def test_full_and_local_reads_match_the_reference(stage, world, gas):
                 for n, value in want[kind].items():
                     assert got[kind][n].shape == value.shape
                     assert _close(got[kind][n], value, exact), f"{kind} {n}"
-    # local pieces, concatenated in rank order, are the full tensor (stage 0: each rank holds it all)
+    # local pieces, concatenated in rank order, are the full tensor (stage 0: each rank holds it all;
+    # stage 3: the pieces are padded to ceil(numel / N), the padding zero)
     ranks = results if stage > 0 else results[:1]
     for step in range(2):
         for n, full in results[0][step]["params"].items():
-            pieces = torch.cat([r[step]["local_params"][n] for r in ranks])
-            assert torch.equal(pieces, full.reshape(-1))
-            grads = torch.cat([r[step]["local_grads"][n] for r in ranks])
-            assert torch.equal(grads, results[0][step]["grads"][n].reshape(-1))
-            sq = torch.cat([r[step]["local_exp_avg_sq"][n] for r in ranks])
-            assert torch.equal(sq, results[0][step]["exp_avg_sq"][n].reshape(-1))
+            numel = full.numel()
+            for kind, whole in (("local_params", full), ("local_grads", results[0][step]["grads"][n]),
+                                ("local_exp_avg_sq", results[0][step]["exp_avg_sq"][n])):
+                pieces = torch.cat([r[step][kind][n] for r in ranks])
+                assert torch.equal(pieces[:numel], whole.reshape(-1)), (kind, n)
+                assert not pieces[numel:].any()
+
+
+def _full_shape(lp):
+    from zero_ext.zero import is_zero_param
+
+    return lp.ds_shape if is_zero_param(lp) else lp.shape  # the seed's idiom
+
+
+def _whole(engine):
+    """Every parameter's full value (stage 3: gathered for the read)."""
+    import zero_ext
+
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def _seed_example_zero_params_and_state(stage):
@@ -119,19 +137,19 @@ def _seed_example_zero_params_and_state(stage):
     for n, lp in engine.module.named_parameters():
         if not lp.requires_grad:
             continue
-        zero = torch.zeros(lp.shape)
+        zero = torch.zeros(_full_shape(lp))
         utils.safe_set_full_fp32_param(lp, zero)
         utils.safe_set_full_optimizer_state(lp, zero, "exp_avg")
         utils.safe_set_full_optimizer_state(lp, zero, "exp_avg_sq")
-    seen_by_forward = engine.module.head.weight.detach().abs().sum().item()
+    seen_by_forward = _whole(engine)["head.weight"].abs().sum().item()
     x, y = batches[1][0][rank]
     engine.backward(engine.module.loss((x, y)))
     grads = {n: utils.safe_get_full_grad(p) for n, p in engine.module.named_parameters() if p.requires_grad}
     engine.step()
-    return seen_by_forward, grads, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return seen_by_forward, grads, _whole(engine)
 
 
-@pytest.mark.parametrize("stage,world", [(1, 2), (2, 4), (0, 2)])
+@pytest.mark.parametrize("stage,world", [(1, 2), (2, 4), (0, 2), (3, 2)])
 def test_seed_example_zeroing_params_and_adam_state(stage, world):
     seen, grads, params = run_ranks(world, _seed_example_zero_params_and_state, stage)[0]
     assert seen == 0.0  # the next forward sees the zeroed weights
@@ -149,18 +167,18 @@ def _seed_example_zero_grads(stage, gas):
     rank = torch.distributed.get_rank()
     engine = _engine(stage, gas)
     batches = _batches(torch.distributed.get_world_size(), gas, 1)
-    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    before = _whole(engine)
     for micro in batches[0]:
         engine.backward(engine.module.loss(micro[rank]))
         if engine.is_gradient_accumulation_boundary():
             for lp in engine.module.parameters():
                 if lp.requires_grad:
-                    utils.safe_set_full_grad(lp, torch.zeros(lp.shape))
+                    utils.safe_set_full_grad(lp, torch.zeros(_full_shape(lp)))
         engine.step()
-    return before, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return before, _whole(engine)
 
 
-@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("stage,gas", [(0, 1), (1, 2), (2, 2), (3, 2)])
 def test_seed_example_zeroing_gradients_before_step(stage, gas):
     before, after = run_ranks(2, _seed_example_zero_grads, stage, gas)[0]
     # zero gradients: Adam's update is 0/(0+eps) = 0, only decoupled weight decay moves the weights
@@ -174,9 +192,10 @@ def _set_then_get(stage):
     rank = torch.distributed.get_rank()
     engine = _engine(stage, 1)
     p = engine.module.body.weight
+    shape = _full_shape(p)
     batches = _batches(torch.distributed.get_world_size(), 1, 1)
     engine.backward(engine.module.loss(batches[0][0][rank]))
-    g = torch.arange(p.numel(), dtype=torch.float32).view(p.shape) / 100
+    g = torch.arange(shape.numel(), dtype=torch.float32).view(shape) / 100
     utils.safe_update_full_grad_vectorized([p, engine.module.head.weight], lambda old, param: old * 0 + 1
                                            if param is not p else g)
     got_g = utils.safe_get_full_grad(p)
@@ -184,12 +203,12 @@ def _set_then_get(stage):
     local = utils.safe_get_local_fp32_param(p)
     utils.safe_set_local_fp32_param(p, torch.full_like(local, 0.5))
     engine.step()
-    new = torch.full(p.shape, 0.25)
+    new = torch.full(shape, 0.25)
     utils.safe_set_full_fp32_param(p, new)
     return torch.equal(got_g, g), bool((ones == 1).all()), torch.equal(utils.safe_get_full_fp32_param(p), new)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_set_then_get(stage):
     assert run_ranks(2, _set_then_get, stage) == [(True, True, True)] * 2
 

@@ -1,4 +1,4 @@
-"""safe_get / safe_set: read and change partitioned state one parameter at a time (stages 0-2).
+"""safe_get / safe_set: read and change partitioned state one parameter at a time (stages 0-3).
 
 Where a parameter's elements live is the planner's fragment map (csrc/partition.c): in stages 1/2 each
 parameter is one contiguous run of its group's flat buffer, so this rank holds at most one fragment of
@@ -6,6 +6,8 @@ it. Full forms rebuild the whole tensor from every rank's fragment (an all-reduc
 holding this rank's fragment) and are therefore **collective**: every rank must call them, with the
 same parameter. Local forms touch only this rank's fragment: a 1-D tensor, possibly empty (DeepSpeed
 refuses local forms below stage 3). Stage 0 keeps everything on every rank: full and local forms agree.
+Stage 3: each parameter is cut into pieces of ceil(numel / N); the local forms are this rank's whole
+padded piece (``ds_tensor``'s shape, padding zero), as in DeepSpeed.
 
 Gradients exist after ``engine.backward()`` and before the ``engine.step()`` that applies them; during
 accumulation they are the (averaged) sum so far. Stages 0/1 reduce gradients only at the accumulation
@@ -28,28 +30,43 @@ class _Where:
         piece = self.g.piece_of(i)
         self.param_offset = piece.param_offset if piece else 0
         self.part_offset = piece.part_offset if piece else 0
-        self.length = piece.length if piece else 0
+        self.length = piece.length if piece else 0  # real elements of this rank's fragment
+        shards = getattr(self.g, "shards", None)  # stage 3: local forms are the padded piece (ds_tensor)
+        if shards is not None:
+            self.part_offset = self.g.offsets[i]
+        self.local_length = shards[i] if shards is not None else self.length
 
     @property
     def numel(self) -> int:
         return self.g.numels[self.i]
 
     def local(self, partition: torch.Tensor) -> torch.Tensor:
-        """This rank's fragment of the parameter inside a partition-shaped flat tensor (a view)."""
-        return partition[self.part_offset:self.part_offset + self.length]
+        """This rank's fragment of the parameter inside a partition-shaped flat tensor (a view; stage 3:
+        the whole padded piece)."""
+        return partition[self.part_offset:self.part_offset + self.local_length]
 
     def full(self, partition: torch.Tensor, shape) -> torch.Tensor:
         out = torch.zeros(self.numel, dtype=torch.float32, device=partition.device)
-        out[self.param_offset:self.param_offset + self.length] = self.local(partition)
+        out[self.param_offset:self.param_offset + self.length] = \
+            partition[self.part_offset:self.part_offset + self.length]
         if self.g.partitioned and self.g.world > 1:
             dist.all_reduce(out)
         return out.view(shape)
+
+    def real(self, partition: torch.Tensor) -> torch.Tensor:
+        """The real (unpadded) elements of this rank's fragment inside a partition-shaped tensor."""
+        return partition[self.part_offset:self.part_offset + self.length]
 
     def fragment_of(self, full_value: torch.Tensor) -> torch.Tensor:
         flat = full_value.reshape(-1)
         if flat.numel() != self.numel:
             raise ValueError(f"the value has {flat.numel()} elements, the parameter {self.numel}")
         return flat[self.param_offset:self.param_offset + self.length]
+
+
+def _shape(param) -> torch.Size:
+    """The parameter's full shape (a partitioned ZeRO-3 parameter's own shape is [0])."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def _where(param) -> Optional[_Where]:
@@ -92,7 +109,7 @@ def _value(value: torch.Tensor, w: _Where) -> torch.Tensor:
 def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
     """The fp32 master weights of param, full shape. Collective."""
     w = _where(param)
-    return None if w is None else w.full(w.g.master.detach(), param.shape)
+    return None if w is None else w.full(w.g.master.detach(), _shape(param))
 
 
 def safe_get_full_grad(param) -> Optional[torch.Tensor]:
@@ -100,13 +117,13 @@ def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     w = _where(param)
     if w is None:
         return None
-    return w.full(_grads(w, "safe_get_full_grad"), param.shape) / w.opt.cur_scale
+    return w.full(_grads(w, "safe_get_full_grad"), _shape(param)) / w.opt.cur_scale
 
 
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
     """The optimizer state ``optim_state_key`` (e.g. "exp_avg") of param, full shape. Collective."""
     w = _where(param)
-    return None if w is None else w.full(_state(w, optim_state_key, "safe_get_full_optimizer_state"), param.shape)
+    return None if w is None else w.full(_state(w, optim_state_key, "safe_get_full_optimizer_state"), _shape(param))
 
 
 def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
@@ -137,8 +154,14 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
         return
     value = _value(value, w)
     with torch.no_grad():
-        w.local(w.g.master).copy_(w.fragment_of(value))
-        param.data.copy_(value.view(param.shape))
+        w.real(w.g.master).copy_(w.fragment_of(value))
+        if hasattr(w.g, "shards"):  # stage 3: the model's copy is the piece (and the full value if gathered)
+            w.real(w.g.flat).copy_(w.fragment_of(value))
+            zp = getattr(param, "_zero_owner", None)
+            if zp is not None and zp.status.name == "AVAILABLE":
+                zp.full.copy_(value.view(zp.shape))
+        else:
+            param.data.copy_(value.view(param.shape))
 
 
 def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
@@ -148,13 +171,13 @@ def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
     if w is None:
         return
     value = _value(value, w).reshape(-1)
-    if value.numel() != w.length:
-        raise ValueError(f"safe_set_local_fp32_param: this rank's fragment has {w.length} elements, the value "
-                         f"{value.numel()}")
+    if value.numel() != w.local_length:
+        raise ValueError(f"safe_set_local_fp32_param: this rank's fragment has {w.local_length} elements, the "
+                         f"value {value.numel()}")
     with torch.no_grad():
         w.local(w.g.master).copy_(value)
         lo = w.g.lo + w.part_offset
-        w.g.flat[lo:lo + w.length].copy_(value)
+        w.g.flat[lo:lo + w.local_length].copy_(value)
 
 
 def safe_set_full_grad(param, value: torch.Tensor) -> None:
@@ -163,7 +186,7 @@ def safe_set_full_grad(param, value: torch.Tensor) -> None:
     if w is None:
         return
     grads = _grads(w, "safe_set_full_grad")
-    w.local(grads).copy_(w.fragment_of(_value(value, w)) * w.opt.cur_scale)
+    w.real(grads).copy_(w.fragment_of(_value(value, w)) * w.opt.cur_scale)
 
 
 def safe_set_local_grad(param, value: torch.Tensor) -> None:
@@ -173,8 +196,8 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
         return
     grads = _grads(w, "safe_set_local_grad")
     value = _value(value, w).reshape(-1)
-    if value.numel() != w.length:
-        raise ValueError(f"safe_set_local_grad: this rank's fragment has {w.length} elements, the value "
+    if value.numel() != w.local_length:
+        raise ValueError(f"safe_set_local_grad: this rank's fragment has {w.local_length} elements, the value "
                          f"{value.numel()}")
     w.local(grads).copy_(value * w.opt.cur_scale)
 
@@ -185,7 +208,7 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     if w is None:
         return
     state = _state(w, optim_state_key, "safe_set_full_optimizer_state")
-    w.local(state).copy_(w.fragment_of(_value(value, w)))
+    w.real(state).copy_(w.fragment_of(_value(value, w)))
 
 
 def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
@@ -195,9 +218,9 @@ def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: 
         return
     state = _state(w, optim_state_key, "safe_set_local_optimizer_state")
     value = _value(value, w).reshape(-1)
-    if value.numel() != w.length:
-        raise ValueError(f"safe_set_local_optimizer_state: this rank's fragment has {w.length} elements, the "
-                         f"value {value.numel()}")
+    if value.numel() != w.local_length:
+        raise ValueError(f"safe_set_local_optimizer_state: this rank's fragment has {w.local_length} elements, "
+                         f"the value {value.numel()}")
     w.local(state).copy_(value)
 
 
