@@ -30,6 +30,7 @@ CASES = [
     (0, 1, 1, "mlp", False), (1, 1, 3, "gpt", True), (2, 1, 1, "gpt", False),
     (0, 2, 3, "gpt", False), (1, 2, 1, "mlp", False), (2, 2, 3, "mlp", True),
     (0, 4, 1, "gpt", True), (1, 4, 3, "mlp", False), (2, 4, 1, "gpt", False),
+    (3, 1, 3, "mlp", False), (3, 2, 1, "gpt", True), (3, 4, 3, "mlp", False),
 ]
 
 
@@ -37,7 +38,8 @@ def _config(stage, gas, consecutive):
     return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 1.0,
             "fp16": {**FP16, "consecutive_hysteresis": consecutive},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 60,
+                                  **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
 
 
 def _batches(model, world, gas):
@@ -62,8 +64,10 @@ def _engine_run(stage, world, gas, model_name, consecutive):
             engine.backward(loss)
             engine.step()
         trajectory.append((engine.was_step_applied(), opt.cur_scale))
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     out = {"trajectory": trajectory, "skipped": engine.skipped_steps, "steps": engine.global_steps,
-           "params": {n: p.detach().float() for n, p in engine.module.named_parameters()}}
+           "params": params}
     engine.destroy()
     return out
 
