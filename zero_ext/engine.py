@@ -252,7 +252,10 @@ class ZeroEngine(torch.nn.Module):
         for kind, tensor in self.optimizer.tensors():
             account.add(kind, tensor)
         for p in self.module.parameters():
-            account.add("params", p.data)
+            account.add("params", p.data)  # stage 3: the full value while gathered, else nothing
+            shard = getattr(p, "ds_tensor", None)
+            if shard is not None:
+                account.add("params", shard)  # stage 3: this rank's piece (frozen parameters' too)
             if p.grad is not None:
                 account.add("grads", p.grad)
         for b in self.module.buffers():
