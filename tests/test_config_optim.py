@@ -181,3 +181,9 @@ def test_auto_scheduler_params_resolve_to_defaults_and_required_auto_is_allowed(
                                  "scheduler.params.warmup_max_lr": 0.001,
                                  "scheduler.params.warmup_num_steps": 1000,
                                  "scheduler.params.total_num_steps": None}
+
+
+def test_onecycle_momentum_may_be_given_per_group():
+    cfg = load_config({"scheduler": {"type": "OneCycle", "params": {
+        "cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_min_mom": [0.8, 0.85], "cycle_max_mom": 0.9}}})
+    assert cfg.scheduler.params["cycle_min_mom"] == [0.8, 0.85]

@@ -23,7 +23,7 @@ IMPLEMENTED = ("zero_optimization.ignore_unused_parameters", "fp16.enabled", "co
 # Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
 # give the same result on a flat partition as on the parameters. Others need
 # zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
-ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam")
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam")
 
 
 def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,

@@ -59,7 +59,7 @@ class WarmupLRParams(ConfigModel):
 
 
 class WarmupDecayLRParams(ConfigModel):
-    """WarmupDecayLR: warm up, then decay linearly to 0 at total_num_steps."""
+    """WarmupDecayLR: warm up, then decay linearly to warmup_min_lr at total_num_steps."""
 
     total_num_steps: Optional[Int] = option(None, "Total training steps.", gt=0, required=True)
     warmup_min_lr: Lr = option(0.0, "Learning rate at step 0.")
@@ -95,8 +95,8 @@ class OneCycleParams(ConfigModel):
     cycle_second_stair_count: Optional[Int] = option(None, "Stairs in the falling half.", ge=0)
     decay_step_size: Int = option(0, "Steps between decays after the cycle.", ge=0)
     cycle_momentum: bool = option(True, "Also cycle the momentum (beta1).")
-    cycle_min_mom: Float = option(0.8, "Lowest momentum.")
-    cycle_max_mom: Float = option(0.9, "Highest momentum.")
+    cycle_min_mom: Lr = option(0.8, "Lowest momentum (one value, or one per param group).")
+    cycle_max_mom: Lr = option(0.9, "Highest momentum (one value, or one per param group).")
     decay_mom_rate: Float = option(0.0, "Momentum decay rate after the cycle.")
     last_batch_iteration: Int = _last_batch()
 
