@@ -18,7 +18,8 @@ def _config(stage, dtype, gas=1, micro=2):
             "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": LR}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 64}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 64,
+                                  **({"stage3_param_persistence_threshold": 16} if stage == 3 else {})}}
 
 
 def _dtype(dtype):
@@ -48,9 +49,17 @@ def _train(engine, steps, model_name, dtype):
     return losses
 
 
+def _params(engine):
+    """Every parameter's whole value (stage 3: gathered for the read)."""
+    import zero_ext
+
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+
 def _snapshot(engine):
     opt = engine.optimizer
-    return {"params": {n: p.detach().float().clone() for n, p in engine.module.named_parameters()},
+    return {"params": _params(engine),
             "masters": [g.master.detach().clone() for g in opt.flat_groups],
             "state": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
             "lr": engine.get_lr(), "steps": (engine.global_steps, engine.micro_steps), "scale": opt.cur_scale}
@@ -85,7 +94,8 @@ def _same(a, b):
 
 # pairwise over stage x precision x model x accumulation
 RESUME = [(0, "fp32", "mlp", 1), (1, "bf16", "gpt", 2), (2, "fp32", "gpt", 2), (2, "bf16", "mlp", 1),
-          (1, "fp32", "mlp", 1), (0, "bf16", "gpt", 2), (2, "fp16", "mlp", 1)]
+          (1, "fp32", "mlp", 1), (0, "bf16", "gpt", 2), (2, "fp16", "mlp", 1), (3, "fp32", "mlp", 2),
+          (3, "bf16", "gpt", 1)]
 
 
 @pytest.mark.parametrize("stage,dtype,model_name,gas", RESUME)
@@ -99,22 +109,16 @@ def test_exact_resume_in_fresh_processes(tmp_path, stage, dtype, model_name, gas
 
 
 def _full_state(engine):
-    """Full fp32 masters and Adam state, gathered from every rank's partition (test-side)."""
-    import torch.distributed as dist
+    """name -> (fp32 master, exp_avg, exp_avg_sq), whole, through the state routines (any stage)."""
+    from zero_ext import utils
 
-    out = []
-    for gi, g in enumerate(engine.optimizer.flat_groups):
-        state = list(engine.optimizer.optimizer.state.values())[gi]
-        tensors = [g.master.detach().float(), state["exp_avg"], state["exp_avg_sq"]]
-        full = []
-        for t in tensors:
-            if g.partitioned and engine.world_size > 1:
-                parts = [torch.empty_like(t) for _ in range(engine.world_size)]
-                dist.all_gather(parts, t.contiguous())
-                t = torch.cat(parts)
-            full.append(t[:sum(g.numels)].clone())
-        out.append((full, int(state["step"])))
-    return out
+    out = {}
+    for n, p in engine.module.named_parameters():
+        if p.requires_grad:
+            out[n] = (utils.safe_get_full_fp32_param(p), utils.safe_get_full_optimizer_state(p, "exp_avg"),
+                      utils.safe_get_full_optimizer_state(p, "exp_avg_sq"))
+    steps = {int(s["step"]) for s in engine.optimizer.optimizer.state.values()}
+    return out, steps
 
 
 GLOBAL_BATCH = 8
@@ -137,7 +141,7 @@ def _save_for_reshard(tmp, stage):
     engine.save_checkpoint(tmp)
     state = _full_state(engine)
     _train_global(engine, 3, 2)
-    return state, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return state, _params(engine)
 
 
 def _load_resharded(tmp, stage):
@@ -145,18 +149,20 @@ def _load_resharded(tmp, stage):
     engine.load_checkpoint(tmp)
     state = _full_state(engine)
     _train_global(engine, 3, 2)
-    return state, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return state, _params(engine)
 
 
-@pytest.mark.parametrize("saved,loaded", [((4, 2), (2, 2)), ((4, 2), (1, 1)), ((2, 1), (4, 2)), ((2, 2), (2, 0))])
+@pytest.mark.parametrize("saved,loaded", [((4, 2), (2, 2)), ((4, 2), (1, 1)), ((2, 1), (4, 2)), ((2, 2), (2, 0)),
+                                          ((4, 3), (2, 3)), ((2, 3), (1, 2)), ((2, 2), (4, 3))])
 def test_resharding_keeps_parameters_and_optimizer_state(tmp_path, saved, loaded):
     (w_save, s_save), (w_load, s_load) = saved, loaded
     ref_state, ref_params = run_ranks(w_save, _save_for_reshard, str(tmp_path), s_save)[0]
     results = run_ranks(w_load, _load_resharded, str(tmp_path), s_load)
-    for state, params in results:
-        for (full, step), (ref_full, ref_step) in zip(state, ref_state):
-            assert step == ref_step
-            assert all(torch.equal(a, b) for a, b in zip(full, ref_full))  # bit for bit after resharding
+    for (state, steps), params in results:
+        ref_values, ref_steps = ref_state
+        assert steps == ref_steps and state.keys() == ref_values.keys()
+        for n, values in state.items():  # bit for bit after resharding
+            assert all(torch.equal(a, b) for a, b in zip(values, ref_values[n])), n
         # training on goes on from the same state (reduction order differs with N: fp32 tolerance)
         for n, p in params.items():
             assert ((p - ref_params[n]).abs() <= 1e-5 * (ref_params[n].abs() + LR)).all(), n
@@ -232,7 +238,7 @@ def test_damaged_shards_are_named(tmp_path, damage, message):
 
 def test_a_different_model_is_refused(tmp_path):
     run_ranks(2, _save_mlp, str(tmp_path))
-    with pytest.raises(RankFailed, match="does not match the model"):
+    with pytest.raises(RankFailed, match="does not match this one"):
         run_ranks(2, _load_tag, str(tmp_path), "gpt")
 
 
@@ -322,3 +328,25 @@ def test_zero_to_fp32_takes_frozen_parameters_from_the_module(tmp_path):
     assert out.returncode == 0, out.stderr
     sd = torch.load(tmp_path / "o" / "pytorch_model.bin", weights_only=True)
     assert torch.equal(sd["frozen.weight"], frozen)
+
+
+def _save_stage3(tmp):
+    from zero_ext import utils
+
+    engine = _engine(3, "bf16")
+    _train(engine, 2, "mlp", "bf16")
+    engine.save_checkpoint(tmp)
+    masters = {n: utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    frozen = _params(engine)["frozen.weight"]
+    return masters, frozen
+
+
+def test_zero_to_fp32_rebuilds_a_stage_3_checkpoint(tmp_path):
+    masters, frozen = run_ranks(2, _save_stage3, str(tmp_path))[0]
+    from zero_ext.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    sd = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    for name, value in masters.items():
+        assert torch.equal(sd[name], value), name
+    assert torch.equal(sd["frozen.weight"], frozen)  # from every rank's pieces
+    assert "offset" in sd

@@ -7,9 +7,11 @@
                                                            optimizer state, loss scaler, RNG states
     <save_dir>/<tag>/zero_ext_manifest.json                sha256 and size of every file, the layout
 
-Loading reshards: the fp32 partitions and the element-wise optimizer state of every group are laid out
-flat (csrc/partition.c), so a checkpoint saved by W ranks at any stage is rebuilt into full flat
-tensors and cut again for the N ranks (and stage) loading it. See docs/checkpoints.md.
+Loading reshards: the manifest records which partition holds which parameter (checkpoint_layout.py), so
+a checkpoint saved by W ranks at any stage 0-3 is rebuilt into full per-parameter values (fp32 masters
+and element-wise optimizer state) and cut again for the N ranks and the stage loading it; an unchanged
+layout reads only this rank's file. ZeRO-3 parameters are never gathered for a save: each rank writes
+its pieces (frozen ones too). See docs/checkpoints.md.
 """
 import json
 import logging
@@ -25,8 +27,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import checkpoint_layout as layout_of
 from .checkpoint_io import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes,
                             read_manifest, verified_load)
+from .zero_to_fp32 import param_values, piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
 
@@ -42,12 +46,6 @@ def _collective_timeout() -> float:
 
 def optim_file(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
-
-
-def _refuse_stage3(engine, what: str) -> None:
-    if engine.config.zero_optimization.stage == 3:
-        raise NotImplementedError(f"{what}: ZeRO stage 3 checkpoints are not implemented by zero_ext yet (stages "
-                                  "0-2 are); save_16bit_model() exports the weights meanwhile")
 
 
 # -- every rank must call ---------------------------------------------------------------------------------
@@ -111,11 +109,24 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
 
 # -- save -------------------------------------------------------------------------------------------------
 
+def _zero_params(module) -> Dict[str, Any]:
+    """name -> ZeroParam of the module's partitioned (stage 3) parameters."""
+    out = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # tied names too
+        owner = getattr(p, "_zero_owner", None)
+        if owner is not None:
+            out[name] = owner
+    return out
+
+
+def _shape(p) -> List[int]:
+    return list(getattr(p, "ds_shape", p.shape))
+
+
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
-    _refuse_stage3(engine, "save_checkpoint")
     engine._collective_seq += 1
     check_all_ranks_call("save_checkpoint", engine._collective_seq)
     rank, world = engine.global_rank, engine.world_size
@@ -123,14 +134,13 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     _validate_tag(engine, tag)
     tag_dir = os.path.join(save_dir, tag)
     os.makedirs(tag_dir, exist_ok=True)
-    opt, cfg = engine.optimizer, engine.config
+    cfg = engine.config
     stage = cfg.zero_optimization.stage
     bf16 = cfg.bf16.enabled
     digests = {}
-    writes_optim = stage >= 1 or rank == 0  # stage 0 replicates: rank 0's copy is the whole state
-    if writes_optim:
+    if stage >= 1 or rank == 0:  # stage 0 replicates: rank 0's copy is the whole state
         name = optim_file(rank, bf16)
-        digests[name] = atomic_torch_save(_optim_state(engine), os.path.join(tag_dir, name))
+        digests[name] = atomic_torch_save(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name))
     if rank == 0:
         state = _model_state(engine, exclude_frozen_parameters)
         for key, value in (client_state or {}).items():
@@ -146,8 +156,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     if rank == 0:
         files = {k: v for d in gathered for k, v in d.items()}
         manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world, "zero_stage": stage,
-                    "layout_world": world if stage >= 1 else 1, "bf16": bf16,
-                    "groups": [g.numels for g in opt.flat_groups], "files": files}
+                    "bf16": bf16, "layout": layout_of.describe(engine), "files": files}
         atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         shutil.copyfile(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"),
                         os.path.join(save_dir, "zero_to_fp32.py"))
@@ -174,7 +183,8 @@ def _validate_tag(engine, tag: str) -> None:
 def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     module, opt = engine.module, engine.optimizer
     names = _param_names(module)
-    sd = module.state_dict()
+    zero = _zero_params(module)
+    sd = {k: v for k, v in module.state_dict().items() if k not in zero}  # stage 3 pieces go to the shards
     if exclude_frozen:
         for n, p in module.named_parameters():
             if not p.requires_grad:
@@ -182,9 +192,10 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     return {
         "module": sd,
         "buffer_names": [n for n, _ in module.named_buffers()],
-        "param_shapes": [OrderedDict((names[id(p)], list(p.shape)) for p in g.params) for g in opt.flat_groups],
-        "frozen_param_shapes": OrderedDict((n, list(p.shape)) for n, p in module.named_parameters()
-                                           if not p.requires_grad),
+        "param_shapes": [OrderedDict((names[id(p)], _shape(p)) for p in g.params) for g in opt.flat_groups],
+        "param_shapes_by_name": {n: _shape(p) for n, p in module.named_parameters()},
+        "frozen_param_shapes": OrderedDict((n, _shape(p)) for n, p in module.named_parameters()
+                                           if not p.requires_grad and not exclude_frozen),
         "shared_params": _shared_params(module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -194,22 +205,24 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     }
 
 
-def _optim_state(engine) -> Dict[str, Any]:
+def _partition_key(stage: int) -> str:
+    return "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"  # DeepSpeed's names
+
+
+def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     opt = engine.optimizer
+    stage = engine.config.zero_optimization.stage
     scaler = opt.loss_scaler
-    return {
-        "optimizer_state_dict": {
-            "zero_stage": engine.config.zero_optimization.stage,
-            "loss_scaler": scaler.state_dict(), "dynamic_loss_scale": scaler.dynamic, "overflow": opt.overflow,
-            "clip_grad": opt.clip, "base_optimizer_state": opt.optimizer.state_dict(),
-            "single_partition_of_fp32_groups": [g.master.detach().clone() for g in opt.flat_groups],
-            "partition_count": opt.flat_groups[0].world if opt.flat_groups[0].partitioned else 1,
-            "group_numels": [g.numels for g in opt.flat_groups],
-            "group_padded": [g.padded for g in opt.flat_groups],
-        },
-        "rng": _rng_state(),
-        "ds_version": f"zero_ext-{_version()}",
+    osd = {
+        "zero_stage": stage, "loss_scaler": scaler.state_dict(), "dynamic_loss_scale": scaler.dynamic,
+        "overflow": opt.overflow, "clip_grad": opt.clip, "base_optimizer_state": opt.optimizer.state_dict(),
+        _partition_key(stage): [g.master.detach().clone() for g in opt.flat_groups],
+        "partition_count": engine.world_size if stage >= 1 else 1,
     }
+    if stage == 3 and not exclude_frozen:
+        osd["frozen_pieces"] = {n: zp.shard.detach().clone() for n, zp in _zero_params(engine.module).items()
+                                if not zp.param.requires_grad}
+    return {"optimizer_state_dict": osd, "rng": _rng_state(), "ds_version": f"zero_ext-{_version()}"}
 
 
 def _version() -> str:
@@ -225,7 +238,6 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                     load_module_only: bool = False, custom_load_fn=None) -> Tuple[Optional[str], Optional[dict]]:
     if custom_load_fn is not None:
         raise ValueError("load_checkpoint: custom_load_fn is not supported by zero_ext")
-    _refuse_stage3(engine, "load_checkpoint")
     engine._collective_seq += 1
     check_all_ranks_call("load_checkpoint", engine._collective_seq)
     if tag is None:
@@ -241,102 +253,167 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
     manifest = read_manifest(tag_dir)
     state = verified_load(tag_dir, MODEL_FILE, manifest)
-    _load_module(engine, state, load_module_strict)
+    saved = manifest["layout"]
+    _check_layout(engine, saved, tag_dir)
+    with_optimizer = load_optimizer_states and not load_module_only
+    # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone
+    shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
+    _load_module(engine, state, load_module_strict, saved, shards)
     opt = engine.optimizer
-    if load_optimizer_states and not load_module_only:
-        _check_layout(engine, manifest, state, tag_dir)
-        _load_optimizer(engine, tag_dir, manifest)
+    if shards is not None:
+        _load_masters(engine, saved, shards)
+        if with_optimizer:
+            _load_optimizer_state(engine, saved, shards)
     else:
         for g in opt.flat_groups:  # rebuild the fp32 masters from the loaded weights, as DeepSpeed does
             with torch.no_grad():
                 g.master.copy_(g.flat[g.lo:g.hi])
+    _refresh_weights(engine)
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
             setattr(engine, key, state.get(key, 0))
     opt._end_of_step()  # no gradients carry over a load
-    client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS}
+    client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
     if engine.world_size > 1:
         dist.barrier()
     return tag_dir, client_state
 
 
-def _load_module(engine, state: Dict[str, Any], strict: bool) -> None:
-    sd = state["module"]
-    device = engine.device
+def _check_layout(engine, saved: Dict[str, Any], tag_dir: str) -> None:
+    here = layout_of.describe(engine)
+    def sizes(layout):
+        return {n: k for g in layout["groups"] for n, k in zip(g["params"], g["numels"])}
+    if sizes(saved) != sizes(here):
+        mine, theirs = sizes(here), sizes(saved)
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
+        raise CheckpointError(f"{os.path.join(tag_dir, MANIFEST)}: the checkpoint's model does not match this one "
+                              f"(trainable parameters differ, e.g. {diff}): a different model or parameter set")
+
+
+class _Shards:
+    """The saved optimizer files this load reads: this rank's alone when the layout is unchanged."""
+
+    def __init__(self, same: bool, files: Dict[int, Dict[str, Any]]):
+        self.same, self.files = same, files
+
+    def osd(self, r: int) -> Dict[str, Any]:
+        return self.files[r]["optimizer_state_dict"]
+
+    @property
+    def first(self) -> Dict[str, Any]:
+        return self.osd(min(self.files))
+
+
+def _read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> _Shards:
+    saved = manifest["layout"]
+    same = saved == layout_of.describe(engine) and manifest["world_size"] == engine.world_size
+    if same:
+        ranks = [engine.global_rank if saved["world"] > 1 else 0]
+    else:
+        ranks = list(range(saved["world"]))
+    return _Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest) for r in ranks})
+
+
+def _load_masters(engine, saved: Dict[str, Any], shards: _Shards) -> None:
+    opt, key = engine.optimizer, _partition_key(saved["stage"])
+    if shards.same:
+        parts = shards.first[key]
+    else:
+        full = param_values(saved, [shards.osd(r)[key] for r in sorted(shards.files)])
+        parts = layout_of.scatter(engine, full, [g.master for g in opt.flat_groups])
     with torch.no_grad():
-        missing, unexpected = engine.module.load_state_dict({k: v.to(device) for k, v in sd.items()}, strict=False)
-    frozen = set(state.get("frozen_param_shapes", {})) if len(sd) < len(engine.module.state_dict()) else set()
-    missing = [k for k in missing if k not in frozen]  # excluded frozen parameters keep their values
+        for g, part in zip(opt.flat_groups, parts):
+            g.master.copy_(part)
+            g.copy_master_to_params()
+
+
+def _load_optimizer_state(engine, saved: Dict[str, Any], shards: _Shards) -> None:
+    opt = engine.optimizer
+    saved_sd = shards.first["base_optimizer_state"]
+    masters = [g.master for g in opt.flat_groups]
+    if shards.same:
+        state = saved_sd["state"]
+    else:
+        keys = [k for k, v in saved_sd["state"].get(0, {}).items() if torch.is_tensor(v) and v.dim() > 0]
+        rebuilt = {}
+        for k in keys:
+            per_rank = [[shards.osd(r)["base_optimizer_state"]["state"][i][k] for i in range(len(saved["groups"]))]
+                        for r in sorted(shards.files)]
+            rebuilt[k] = layout_of.scatter(engine, param_values(saved, per_rank), masters)
+        scalars = {k: v for k, v in saved_sd["state"].get(0, {}).items() if k not in keys}
+        state = {i: {**scalars, **{k: rebuilt[k][i] for k in keys}} for i in range(len(masters))}
+    # this engine's param groups, with the saved hyper-parameters (lr, betas, ...) of each group
+    index, groups = 0, []
+    for here, there in zip(opt.optimizer.param_groups, saved_sd["param_groups"]):
+        count = len(here["params"])
+        groups.append({**{k: v for k, v in there.items() if k != "params"}, "params": list(range(index, index + count))})
+        index += count
+    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    opt.loss_scaler.load_state_dict(shards.first["loss_scaler"])
+    if shards.same:
+        _set_rng_state(shards.files[min(shards.files)]["rng"])
+
+
+def _refresh_weights(engine) -> None:
+    """After the masters changed: every rank's model copy follows (stages 1/2 all-gather the new
+    partitions; stage 3 re-gathers its persistent parameters)."""
+    opt = engine.optimizer
+    stage = engine.config.zero_optimization.stage
+    if stage in (1, 2) and engine.world_size > 1:
+        opt.all_gather_params()
+    if engine.zero_model is not None:
+        engine.zero_model.refresh_persistent()
+
+
+def _write_param(engine, p, value: torch.Tensor) -> None:
+    """Sets a parameter's full value: a plain parameter's data, or a ZeRO-3 parameter's piece."""
+    zp = getattr(p, "_zero_owner", None)
+    with torch.no_grad():
+        if zp is None:
+            p.data.copy_(value.view(p.shape))
+            return
+        flat = value.reshape(-1).to(zp.shard.dtype)
+        start = zp.rank * zp.shard_numel
+        valid = max(0, min(zp.shard_numel, zp.numel - start))
+        zp.shard.zero_()
+        zp.shard[:valid].copy_(flat[start:start + valid])
+        if zp.status.name == "AVAILABLE":
+            zp.full.copy_(flat.view(zp.shape))
+
+
+def _load_module(engine, state: Dict[str, Any], strict: bool, saved: Dict[str, Any], shards) -> None:
+    sd, module, device = state["module"], engine.module, engine.device
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
+    zero = _zero_params(module)
+    plain = {k: v.to(device) for k, v in sd.items() if k not in zero}
+    with torch.no_grad():
+        missing, unexpected = module.load_state_dict(plain, strict=False)
+        for k, v in sd.items():
+            if k in zero:
+                _write_param(engine, params[k], v.to(device))
+        frozen = state.get("frozen_param_shapes", {})
+        if saved["stage"] == 3 and frozen and shards is not None:
+            if shards.same:  # the same pieces: this rank's own, as saved
+                mine = shards.first.get("frozen_pieces", {})
+                for n, piece in mine.items():
+                    if n in zero:
+                        zero[n].shard.copy_(piece)
+            else:
+                numels = {n: int(torch.Size(s).numel()) for n, s in frozen.items()}
+                for n, value in piece_values(numels, _frozen_pieces(shards)).items():
+                    if n in params:
+                        _write_param(engine, params[n], value.to(device).view(frozen[n]))
+    # trainable weights come from the fp32 masters; frozen ones not in the checkpoint keep their values
+    restored = {n for g in saved["groups"] for n in g["params"]} | set(frozen) | set(sd)
+    restored |= {alias for alias, name in _shared_params(module).items() if name in restored}  # tied names
+    frozen_here = {n for n, p in params.items() if not p.requires_grad}
+    missing = [k for k in missing if k not in restored and k not in frozen_here]
     if strict and (missing or unexpected):
         raise CheckpointError(f"the checkpoint's module does not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]} (load_module_strict=False to load what matches)")
 
 
-def _check_layout(engine, manifest, state, tag_dir) -> None:
-    numels = [g.numels for g in engine.optimizer.flat_groups]
-    if manifest["groups"] != numels:
-        raise CheckpointError(
-            f"{os.path.join(tag_dir, MANIFEST)}: the checkpoint's param groups hold {manifest['groups']} elements "
-            f"per parameter, this engine's {numels}: a different model or parameter grouping")
-
-
-def _load_optimizer(engine, tag_dir: str, manifest: Dict[str, Any]) -> None:
-    opt = engine.optimizer
-    saved_world = manifest["layout_world"]
-    here_world = opt.flat_groups[0].world if opt.flat_groups[0].partitioned else 1
-    bf16 = manifest["bf16"]
-    same = saved_world == here_world and (saved_world == 1 or manifest["world_size"] == engine.world_size)
-    ranks = [engine.global_rank if saved_world > 1 else 0] if same else range(saved_world)
-    shards = {r: verified_load(tag_dir, optim_file(r, bf16), manifest) for r in ranks}
-    first = shards[min(shards)]["optimizer_state_dict"]
-    base_sd = first["base_optimizer_state"]
-    state_by_index: Dict[int, Dict[str, Any]] = {}
-    for gi, g in enumerate(opt.flat_groups):
-        master = _reshard([shards[r]["optimizer_state_dict"]["single_partition_of_fp32_groups"][gi] for r in ranks],
-                          g, same)
-        with torch.no_grad():
-            g.master.copy_(master)
-            if g.master.data_ptr() != g.flat[g.lo:g.hi].data_ptr():
-                g.flat[g.lo:g.hi].copy_(g.master)
-        index = _state_index(engine, gi)
-        per_rank = [shards[r]["optimizer_state_dict"]["base_optimizer_state"]["state"].get(index, {}) for r in ranks]
-        entry = {}
-        for key, value in per_rank[0].items():
-            if torch.is_tensor(value) and value.dim() > 0:
-                entry[key] = _reshard([s[key] for s in per_rank], g, same).to(value.dtype)
-            else:
-                entry[key] = value
-        if entry:
-            state_by_index[index] = entry
-    opt.optimizer.load_state_dict({"state": state_by_index, "param_groups": base_sd["param_groups"]})
-    opt.loss_scaler.load_state_dict(first["loss_scaler"])
-    if same:
-        _set_rng_state(shards[ranks[0]]["rng"])
-
-
-def _state_index(engine, flat_index: int) -> int:
-    """The base optimizer's state index of the flat group's master (groups without one have none)."""
-    index, seen = 0, 0
-    for g in engine.optimizer.groups:
-        if g is None:
-            continue
-        if seen == flat_index:
-            return index
-        index += 1
-        seen += 1
-    raise IndexError(flat_index)
-
-
-def _reshard(parts: List[torch.Tensor], g, same: bool) -> torch.Tensor:
-    """This rank's partition of a flat tensor saved as `parts` (every saved rank's, or just ours)."""
-    if same:
-        return parts[0]
-    total = sum(g.numels)
-    full = torch.cat([p.reshape(-1).float() if p.dtype != torch.float32 else p.reshape(-1) for p in parts])[:total]
-    out = torch.zeros(g.part, dtype=torch.float32)
-    lo, hi = g.lo, min(g.hi, total)
-    if hi > lo:
-        out[:hi - lo] = full[lo:hi]
-    return out
+def _frozen_pieces(shards: _Shards) -> List[Dict[str, torch.Tensor]]:
+    return [shards.osd(r).get("frozen_pieces", {}) for r in sorted(shards.files)]

@@ -37,6 +37,42 @@ def _resolve_tag(checkpoint_dir, tag):
     return folder
 
 
+def _shard(numel, world):
+    return -(-numel // world)
+
+
+def param_values(layout, partitions):
+    """name -> 1-D tensor of each trainable parameter, rebuilt from every rank's partitions.
+
+    ``layout`` is the manifest's (zero_ext/checkpoint_layout.py): stage, world (1 for stage 0) and, per
+    optimizer group, the parameter names and sizes in order. ``partitions[r][g]`` is rank r's 1-D
+    partition of group g. Stages 0-2 lay a group's parameters end to end and cut the (padded) result
+    into equal partitions; stage 3 cuts each parameter into pieces of ceil(numel / world).
+    """
+    world, out = layout["world"], OrderedDict()
+    for gi, group in enumerate(layout["groups"]):
+        parts = [partitions[r][gi] for r in range(world)]
+        offset = 0
+        if layout["stage"] == 3:
+            for name, n in zip(group["params"], group["numels"]):
+                s = _shard(n, world)
+                out[name] = torch.cat([p[offset:offset + s] for p in parts])[:n]
+                offset += s
+        else:
+            flat = torch.cat(parts)
+            for name, n in zip(group["params"], group["numels"]):
+                out[name] = flat[offset:offset + n]
+                offset += n
+    return out
+
+
+def piece_values(numels, pieces_by_rank):
+    """name -> 1-D tensor of ZeRO-3 parameters saved as per-rank pieces (frozen parameters)."""
+    world = len(pieces_by_rank)
+    return OrderedDict((name, torch.cat([pieces_by_rank[r][name] for r in range(world)])[:n])
+                       for name, n in numels.items())
+
+
 def _optim_files(folder):
     pattern = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
     found = sorted((int(m.group(2)), name) for name in os.listdir(folder) if (m := pattern.match(name)))
@@ -47,39 +83,28 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     """OrderedDict name -> fp32 tensor of the whole model at the checkpoint."""
     folder = _resolve_tag(checkpoint_dir, tag)
     model = _load(os.path.join(folder, MODEL_FILE))
+    with open(os.path.join(folder, "zero_ext_manifest.json")) as f:
+        layout = json.load(f)["layout"]
     files = _optim_files(folder)
-    if not files:
-        raise FileNotFoundError(f"no optimizer state files (zero_pp_rank_*_optim_states.pt) in {folder}")
-    groups = model["param_shapes"]
-    flats = None
-    for rank, name in enumerate(files):
-        osd = _load(os.path.join(folder, name))["optimizer_state_dict"]
-        count = osd["partition_count"]
-        if len(files) != count:
-            raise ValueError(f"{folder} holds {len(files)} optimizer state files but they were saved by {count} "
-                             "ranks: possibly an overwrite of an older checkpoint")
-        parts = osd["single_partition_of_fp32_groups"]
-        if flats is None:
-            flats = [torch.empty(count * p.numel(), dtype=torch.float32) for p in parts]
-        for flat, part in zip(flats, parts):
-            flat[rank * part.numel():(rank + 1) * part.numel()].copy_(part)
-        del osd, parts
+    if len(files) != layout["world"]:
+        raise ValueError(f"{folder} holds {len(files)} optimizer state files but they were saved by "
+                         f"{layout['world']} ranks: possibly an overwrite of an older checkpoint")
+    osds = [_load(os.path.join(folder, name))["optimizer_state_dict"] for name in files]  # memory-mapped
+    key = "fp32_flat_groups" if layout["stage"] == 3 else "single_partition_of_fp32_groups"
     out = OrderedDict()
-    for shapes, flat in zip(groups, flats):
-        offset = 0
-        for pname, shape in shapes.items():
-            n = 1
-            for d in shape:
-                n *= d
-            out[pname] = flat[offset:offset + n].view(*shape).clone()
-            offset += n
-        if offset > flat.numel():
-            raise ValueError(f"{folder}: the partitions hold {flat.numel()} elements, the parameters need {offset}")
+    for name, value in param_values(layout, [o[key] for o in osds]).items():
+        out[name] = value.view(*model["param_shapes_by_name"][name]).float().clone()
     module = model["module"]
     if not exclude_frozen_parameters:
-        for pname in model.get("frozen_param_shapes", {}):
-            if pname in module:
-                out[pname] = module[pname].float().clone()
+        frozen = model.get("frozen_param_shapes", {})
+        if layout["stage"] == 3 and frozen:
+            numels = OrderedDict((n, _numel(shape)) for n, shape in frozen.items())
+            for name, value in piece_values(numels, [o.get("frozen_pieces", {}) for o in osds]).items():
+                out[name] = value.view(*frozen[name]).float().clone()
+        else:
+            for pname in frozen:
+                if pname in module:
+                    out[pname] = module[pname].float().clone()
     for bname in model.get("buffer_names", []):
         if bname in module:
             t = module[bname]
@@ -88,6 +113,13 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
         if pname in out:
             out[alias] = out[pname]
     return out
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _parse_size(size):
