@@ -1,4 +1,4 @@
-"""Step time and memory per rank: zero_ext's ZeRO stages against torch DDP, CPU gloo, 2 ranks.
+"""Step time and memory per rank: zero_ext's ZeRO stages against torch DDP and FSDP2, CPU gloo, 2 ranks.
 
     python benchmarks/bench_step.py [--steps 8] [--warmup 2] [--configs z1,z2]
 
@@ -8,7 +8,7 @@ a fresh pair of spawned processes, so ru_maxrss is that configuration's own peak
 slower rank's (both start from a barrier); the table shows the best of the timed steps (the least
 disturbed by other processes on the machine) and their median. Ratios are
 against DDP measured in the same run, never against numbers from another day. Every stage the config
-accepts is measured (stage 3 joins once zero_ext.config stops refusing it).
+accepts is measured, and PyTorch FSDP2 (fully_shard per block and at the root) beside stage 3.
 """
 import argparse
 import os
@@ -103,6 +103,35 @@ def ddp_trainer(model):
     return step, tensor_bytes
 
 
+def fsdp2_trainer(model):
+    """PyTorch FSDP2 (fully_shard, each transformer block then the root) on the same model: the
+    peer zero_ext's stage 3 is measured against."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+    def step(x, y):
+        lm_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    def tensor_bytes():
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+        tensors = local + [t.to_local() if hasattr(t, "to_local") else t
+                           for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        return sum(t.numel() * t.element_size() for t in tensors)
+    return step, tensor_bytes
+
+
 def zero_trainer(model, name: str, batch: int):
     engine, _, _, _ = zero_ext.initialize(model=model, config=zero_config(name, batch))
 
@@ -122,7 +151,12 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
     dist.init_process_group("gloo")
     baseline = rss_mib()
     model = build_model(args.block)
-    step, tensor_bytes = ddp_trainer(model) if name == "ddp" else zero_trainer(model, name, args.batch)
+    if name == "ddp":
+        step, tensor_bytes = ddp_trainer(model)
+    elif name == "fsdp2":
+        step, tensor_bytes = fsdp2_trainer(model)
+    else:
+        step, tensor_bytes = zero_trainer(model, name, args.batch)
     gen = torch.Generator().manual_seed(100 + rank)  # the same batches for every configuration
     times = []
     for _ in range(args.warmup + args.steps):
@@ -200,7 +234,7 @@ notes:
 def main():
     args = parse_args()
     args.load = os.getloadavg()[0]
-    names = ["ddp"] + accepted_configs()
+    names = ["ddp"] + accepted_configs() + ["fsdp2"]
     if args.configs:
         wanted = args.configs.split(",")
         names = ["ddp"] + [n for n in names if n in wanted and n != "ddp"]  # ratios need DDP
