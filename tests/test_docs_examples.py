@@ -31,3 +31,7 @@ def test_docs_example_runs_on_two_ranks(code):
 
 def test_the_debugging_page_has_its_examples():
     assert len([p for p in _examples() if "debugging.md" in p.id]) == 3
+
+
+def test_the_zero3_guide_has_its_example():
+    assert any("zero3-guide.md" in p.id for p in _examples())
