@@ -48,7 +48,8 @@ def parse_args():
 
 
 # name -> (ZeRO stage, overlap_comm); overlap_comm None is DeepSpeed's default (on for stage 3 only)
-ZERO_CONFIGS = {"z0": (0, None), "z1": (1, None), "z2": (2, None), "z2-overlap": (2, True), "z3": (3, None)}
+ZERO_CONFIGS = {"z0": (0, None), "z1": (1, None), "z2": (2, None), "z2-overlap": (2, True), "z3": (3, None),
+                "z3-nocheck": (3, None)}  # without the fetch-order agreement (ZERO_EXT_CHECK_FETCH_ORDER=0)
 
 
 def zero_config(name: str, batch: int = 1) -> dict:
@@ -148,6 +149,8 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
     torch.set_num_threads(1)
+    if name.endswith("-nocheck"):
+        os.environ["ZERO_EXT_CHECK_FETCH_ORDER"] = "0"  # measures what the agreement costs per step
     dist.init_process_group("gloo")
     baseline = rss_mib()
     model = build_model(args.block)

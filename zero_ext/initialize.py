@@ -125,8 +125,11 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 if world > 1:
                     dist.broadcast(getattr(m, name), src=0)
     zc = cfg.zero_optimization
+    # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
+    # costs one small all-gather per fetch: ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
+    check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
-                     model_persistence_threshold=zc.model_persistence_threshold)
+                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check)
 
 
 def _check_grad_accum_dtype(cfg) -> None:
