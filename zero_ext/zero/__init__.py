@@ -10,7 +10,8 @@
 Files, one noun each (docs/zero3.md has the design): status (enums), param (ZeroParam, the owner of
 one parameter), collectives (free functions), fetch (fetch/release, fetch-order agreement), convert
 (whole -> partitioned), external (external parameters), hooks (per-module hooks), model (ZeroModel),
-gathered (GatheredParameters), init (zero.Init), tree (walking inputs/outputs), utils (DeepSpeed names).
+gathered (GatheredParameters), init (zero.Init), tree (walking inputs/outputs), utils (DeepSpeed names),
+tiling (TiledLinear).
 """
 from .convert import partition_module
 from .external import register_external_parameter, unregister_external_parameter
@@ -20,9 +21,10 @@ from .init import Init
 from .model import ZeroModel
 from .param import ZeroParam, is_zero_param, zero_param_of
 from .status import TrainingPhase, ZeroParamStatus
+from .tiling import TiledLinear
 
 __all__ = [
     "Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
-    "TrainingPhase", "partition_module",
+    "TrainingPhase", "partition_module", "TiledLinear",
 ]
