@@ -48,8 +48,6 @@ CASES = {
         {"zero_optimization": {**Z3, "pipeline_loading_checkpoint": True}}, True),
     "zero_optimization.memory_efficient_linear": (
         {"zero_optimization": {**Z3, "memory_efficient_linear": False}}, False),
-    "zero_optimization.leaf_module": (
-        {"zero_optimization": {**Z3, "leaf_module": {"names": ["model.moe"]}}}, None),
     "zero_optimization.module_granularity_threshold": (
         {"zero_optimization": {**Z3, "stage3_module_granularity_threshold": 100}}, 100),
     "zero_optimization.use_all_reduce_for_fetch_params": (

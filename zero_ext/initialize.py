@@ -105,6 +105,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     from .zero import ZeroModel
+    from .zero.leaf import apply_leaf_config
     from .zero.param import zero_param_of
 
     want = dtype or torch.float32
@@ -125,6 +126,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 if world > 1:
                     dist.broadcast(getattr(m, name), src=0)
     zc = cfg.zero_optimization
+    leaf = zc.leaf_module
+    apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
     # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
     # costs one small all-gather per fetch: ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"

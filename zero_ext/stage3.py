@@ -112,6 +112,11 @@ class ShardReducer:
     def _on_grad(self, zp) -> None:
         if id(zp) not in self.where:
             return  # not trained by this engine (frozen, or outside its param groups)
+        if getattr(zp.param, "ds_z3_leaf_module", False):
+            return  # a leaf's parameters are reduced together at the end of backward (see finish_backward)
+        self._add(zp)
+
+    def _add(self, zp) -> None:
         if self.bucket and self.bucket_numel + zp.numel > self.bucket_size:
             self.flush()
         self.bucket.append(zp)
@@ -127,7 +132,7 @@ class ShardReducer:
         numels = [zp.numel for zp in members]
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
         buf = torch.zeros(self.world * block, dtype=self.dtype, device=members[0].shard.device)
-        grads = [zp.param.grad.reshape(-1) for zp in members]
+        grads = [_full_grad(zp) for zp in members]
         for p in pieces:
             buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
         for zp in members:
@@ -174,6 +179,13 @@ class ShardReducer:
             self._complete(self.pending[0])
 
     def finish_backward(self) -> None:
+        # Leaf modules (zero/leaf.py) run their children in a data-dependent order, so their parameters'
+        # gradients arrive in a different order, or not at all, on each rank: they are reduced here, in
+        # ds_id order on every rank, an unused one as zeros (DeepSpeed fills zeros for unused experts).
+        leaves = sorted((zp for g in self.groups for zp in g.zparams
+                         if getattr(zp.param, "ds_z3_leaf_module", False)), key=lambda z: z.ds_id)
+        for zp in leaves:
+            self._add(zp)
         self.flush()
         self.wait_all()
         unused = [zp.name for g in self.groups for zp in g.zparams if id(zp) not in self.seen]
@@ -200,6 +212,13 @@ class ShardReducer:
         self.handles = []
         for g in self.groups:
             g.remove_hooks()
+
+
+def _full_grad(zp) -> torch.Tensor:
+    """A parameter's full gradient, flat; zeros for one that got none (an unused leaf's expert)."""
+    if zp.param.grad is None:
+        return torch.zeros(zp.numel, dtype=zp.dtype, device=zp.shard.device)
+    return zp.param.grad.reshape(-1)
 
 
 def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int):

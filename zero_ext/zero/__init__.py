@@ -21,10 +21,13 @@ from .init import Init
 from .model import ZeroModel
 from .param import ZeroParam, is_zero_param, zero_param_of
 from .status import TrainingPhase, ZeroParamStatus
+from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
+                   z3_leaf_parameter)
 from .tiling import TiledLinear
 
 __all__ = [
     "Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
-    "TrainingPhase", "partition_module", "TiledLinear",
+    "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
 ]

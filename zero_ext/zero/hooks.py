@@ -35,6 +35,7 @@ import torch
 from . import internal
 from .external import external_parameters
 from .fetch import FetchSite, fetch, release
+from .leaf import z3_leaf_module
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind, TrainingPhase
 from .tree import map_tensors, mappable_tensors, tensors_in
@@ -111,7 +112,8 @@ class ModuleState:
     def zero_params(self) -> List[ZeroParam]:
         """The ZeRO-3 parameters this module gathers: its own, then those external to it."""
         found = {}
-        for p in self.module.parameters(recurse=False):
+        # a leaf module gathers its whole subtree (leaf.py)
+        for p in self.module.parameters(recurse=z3_leaf_module(self.module)):
             zp = zero_param_of(p)
             if zp is not None:
                 found[id(zp)] = zp

@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from . import convert, internal
 from .external import ExternalUseDetector, register_external_parameter
 from .fetch import FetchSite, fetch, release
+from .leaf import z3_leaf_module
 from .hooks import ModuleCall, ModuleState
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind, ZeroParamStatus
@@ -82,7 +83,8 @@ class ZeroModel:
         self._persistent_holder = _Persistent()
         self.persistent = self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
         for state in self._states.values():
-            state.register()
+            if not self._inside_leaf(state.module):  # a leaf's descendants have no hooks of their own
+                state.register()
         self._grad_handles = [zp.param.register_post_accumulate_grad_hook(self._make_grad_hook(zp))
                               for zp in self._params if zp.param.requires_grad]
         _INSTALLED[module] = self
@@ -91,6 +93,19 @@ class ZeroModel:
                      len(self.persistent), sum(zp.numel for zp in self.persistent))
 
     # -- construction ------------------------------------------------------------------------------------
+
+    def _inside_leaf(self, module: torch.nn.Module) -> bool:
+        """Whether a leaf module (leaf.py) lies above ``module``; leaves' subtrees are fetched whole."""
+        if not hasattr(self, "_leaf_descendants"):
+            self._leaf_descendants = set()
+            for m in self.module.modules():
+                if z3_leaf_module(m):
+                    for d in m.modules():
+                        if d is not m:
+                            self._leaf_descendants.add(id(d))
+                    for p in m.parameters():
+                        p.ds_z3_leaf_module = True
+        return id(module) in self._leaf_descendants
 
     def _name_params(self) -> List[ZeroParam]:
         params: Dict[int, ZeroParam] = OrderedDict()
