@@ -153,9 +153,11 @@ def test_optimizer_in_config_and_as_argument():
         _engine(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
-def test_no_optimizer_at_all():
-    with pytest.raises(ValueError, match="no optimizer"):
-        _engine({"train_micro_batch_size_per_gpu": 2})
+def test_no_optimizer_at_all_gives_a_forward_only_engine():
+    engine, opt, _, _ = _engine({"train_micro_batch_size_per_gpu": 2})
+    assert opt is None and engine.get_lr() == []
+    with pytest.raises(RuntimeError, match="has no optimizer"):
+        engine.step()
 
 
 def test_module_without_trainable_parameters():

@@ -6,7 +6,7 @@
 
 `import zero_ext` needs neither CUDA nor NCCL: the CUDA library is loaded only when CUDA tensors are used.
 """
-from .comm import init_distributed
+from .comm import add_config_arguments, init_distributed
 from .engine import ZeroEngine
 from .initialize import initialize
 from .offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
@@ -17,5 +17,5 @@ DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in porte
 
 __version__ = "0.1.0"
 
-__all__ = ["init_distributed", "initialize", "ZeroEngine", "DeepSpeedEngine", "OffloadDeviceEnum",
+__all__ = ["init_distributed", "add_config_arguments", "initialize", "ZeroEngine", "DeepSpeedEngine", "OffloadDeviceEnum",
            "OffloadStateTypeEnum", "__version__"]

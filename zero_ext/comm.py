@@ -142,3 +142,17 @@ def get_world_size() -> int:
 
 def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's command-line arguments (--deepspeed, --deepspeed_config, and the deprecated
+    --deepscale / --deepscale_config), so scripts written for DeepSpeed parse unchanged."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations (zero_ext)")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code; no effect in zero_ext)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated: enable DeepSpeed (use --deepspeed)")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated: DeepSpeed json configuration file (use --deepspeed_config)")
+    return parser

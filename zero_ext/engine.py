@@ -7,6 +7,7 @@ The engine wraps the user's module (``engine.module``; unknown attributes are fo
 the ZeRO optimizer (zero_optimizer.py) and counts steps. ``step()`` updates only at the accumulation
 boundary, every ``gradient_accumulation_steps`` micro steps.
 """
+import contextlib
 import logging
 import warnings
 from typing import Dict, List, Optional
@@ -47,9 +48,12 @@ class ZeroEngine(torch.nn.Module):
         self._boundary_override: Optional[bool] = None
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload_states.py)
+        self._no_sync = False
         self.training_dataloader = training_dataloader
-        self.optimizer = self._build_zero_optimizer(base_optimizer)
-        self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
+        self.optimizer = None  # a forward-only engine has none (initialize without an optimizer)
+        if base_optimizer is not None:
+            self.optimizer = self._build_zero_optimizer(base_optimizer)
+            self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
         self.lr_scheduler = lr_scheduler
 
     # -- construction ---------------------------------------------------------------------------------
@@ -123,6 +127,33 @@ class ZeroEngine(torch.nn.Module):
         self._require_loaded("forward", ("lp_params",))
         return self.module(*args, **kwargs)
 
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"engine.{what}: this engine has no optimizer (initialize was given none and the "
+                               "config has no 'optimizer' section): it runs forward only")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside skip gradient reduction (DeepSpeed's API). Stages 0/1 reduce only at
+        the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+                               "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only)")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Changes the global batch by changing the accumulation steps (the micro batch stays)."""
+        micro, world = self.train_micro_batch_size_per_gpu(), self.world_size
+        if train_batch_size % (micro * world):
+            raise ValueError(f"set_train_batch_size({train_batch_size}): not a multiple of micro batch {micro} x "
+                             f"{world} ranks = {micro * world}")
+        self._config.__dict__["gradient_accumulation_steps"] = train_batch_size // (micro * world)
+        self._config.__dict__["train_batch_size"] = train_batch_size
+
     def _require_loaded(self, what: str, kinds=None) -> None:
         parked = sorted(k.value for k in self._offloaded if kinds is None or k.value in kinds)
         if parked:
@@ -134,6 +165,7 @@ class ZeroEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagates ``loss`` divided by the accumulation steps (and, in fp16, multiplied by the
         loss scale); returns the loss divided by the accumulation steps."""
+        self._require_optimizer("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects the scalar loss tensor, got "
                             f"{type(loss).__name__}{'' if not torch.is_tensor(loss) else tuple(loss.shape)}")
@@ -163,6 +195,10 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """One micro step; at the accumulation boundary also the optimizer step."""
+        self._require_optimizer("step")
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
+                               "must be reduced before a step)")
         if not self._backward_since_step:
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
                           "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=2)
@@ -187,19 +223,22 @@ class ZeroEngine(torch.nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients accumulated since the last step."""
-        self.optimizer.zero_grad()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters (False between boundaries and on overflow)."""
         return self._step_applied
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return self.optimizer.global_grad_norm
+        return self.optimizer.global_grad_norm if self.optimizer is not None else None
 
     def get_lr(self) -> List[float]:
-        return [g.get("lr", 0.0) for g in self.optimizer.param_groups]
+        return [g.get("lr", 0.0) for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> List:
+        if self.optimizer is None:
+            return []
         return [g.get("betas", g.get("momentum", 0.0)) for g in self.optimizer.param_groups]
 
     # -- config accessors -------------------------------------------------------------------------------
@@ -249,7 +288,7 @@ class ZeroEngine(torch.nn.Module):
         from .offload_states import offloaded_tensors
 
         account = MemoryAccount(self.device, host=offloaded_tensors(self))
-        for kind, tensor in self.optimizer.tensors():
+        for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
             account.add(kind, tensor)
         for p in self.module.parameters():
             account.add("params", p.data)  # stage 3: the full value while gathered, else nothing
@@ -344,7 +383,7 @@ class ZeroEngine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Removes the hooks the engine installed (stage 2 gradient hooks; stage 3 module hooks)."""
-        remove = getattr(self.optimizer.reducer, "remove_hooks", None)
+        remove = getattr(getattr(self.optimizer, "reducer", None), "remove_hooks", None)
         if remove:
             remove()
         if self.zero_model is not None:

@@ -54,15 +54,13 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     _check_grad_accum_dtype(cfg)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
+    if not trainable and (optimizer is not None or cfg.optimizer is not None):
         raise ValueError("zero_ext.initialize: the model has no trainable parameters (every parameter has "
                          "requires_grad=False); there is nothing to optimize")
     if optimizer is not None and cfg.optimizer is not None:
         raise ValueError("zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' "
                          "section; give only one (remove the section, or the optimizer argument)")
-    if optimizer is None and cfg.optimizer is None:
-        raise ValueError("zero_ext.initialize: no optimizer; pass optimizer=... or add an 'optimizer' section "
-                         "to the config")
+    inference = optimizer is None and cfg.optimizer is None  # a forward-only engine (e.g. a reference model)
 
     device = _device()
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
@@ -77,7 +75,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
             _broadcast_from_rank0(model)
 
     groups = _param_groups(model, model_parameters)
-    if optimizer is None:
+    if inference:
+        base = None
+    elif optimizer is None:
         base = build_optimizer(cfg.optimizer, groups)
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
@@ -90,11 +90,14 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     else:
         raise TypeError(f"zero_ext.initialize: optimizer must be a torch.optim.Optimizer or a callable, not "
                         f"{type(optimizer).__name__}")
-    _check_zero_optimizer(base, cfg)
+    if base is not None:
+        _check_zero_optimizer(base, cfg)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device, zero_model=zero_model)
     # a client scheduler (object, or callable taking the optimizer) wins over the config's section
-    engine.lr_scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, engine.optimizer, basic_optimizer=base)
+    if base is not None:
+        engine.lr_scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, engine.optimizer,
+                                                     basic_optimizer=base)
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)
