@@ -117,8 +117,18 @@ class BuildExt(build_ext):
         subprocess.check_call(link)
 
 
+def uring_options():
+    """io_uring where liburing is installed (Debian's liburing-dev); else NVMe I/O uses its thread backend."""
+    if any(os.path.exists(os.path.join(d, "liburing.h")) for d in ("/usr/include", "/usr/local/include")):
+        return {"define_macros": [("ZX_HAVE_URING", "1")], "libraries": ["uring"]}
+    print("zero_ext: liburing.h not found: building NVMe I/O without io_uring (pread/pwrite threads); "
+          "install liburing-dev for io_uring")
+    return {}
+
+
 def extensions():
-    exts = [Extension("zero_ext._C", sources=C_SOURCES, include_dirs=["csrc"], extra_compile_args=C_FLAGS)]
+    exts = [Extension("zero_ext._C", sources=C_SOURCES, include_dirs=["csrc"], extra_compile_args=C_FLAGS,
+                      **uring_options())]
     cuda = cuda_wanted()
     if cuda:
         lib = CudaLibrary("zero_ext.libzx_cuda", sources=CUDA_SOURCES)

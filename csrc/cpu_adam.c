@@ -1,0 +1,352 @@
+/* cpu_adam.c - Adam and AdamW on fp32 master state: the portable scalar reference, and the AVX2
+ * and AVX-512 paths beside it, chosen at run time (see cpu_features.h).
+ *
+ * Owns: Adam's per-element arithmetic and its specialisations (L2 or decoupled decay, with or
+ * without the bf16/fp16 copy-out). Does not own: tiling and threads (cpu_optim.c), state
+ * allocation or step counting (zero_ext/ops/adam.py).
+ *
+ * The arithmetic is torch.optim.Adam's single-tensor code, one rounding per torch operation, with
+ * FMA exactly where torch's vectorised CPU kernels use it (lerp, addcmul, add with alpha):
+ *   g  = g * grad_scale                      (the offloaded step's unscale and clip, on load)
+ *   g  = fma(wd, p, g)                       (Adam with weight decay: grad.add(param, alpha=wd))
+ *   p  = p * (1 - lr*wd)                     (AdamW: param.mul_)
+ *   m  = fma(1-b1, g - m, m)                 (exp_avg.lerp_(grad, 1-b1); for 1-b1 >= 0.5 torch
+ *                                             uses fma((1-b1) - 1, g - m, g), and so do we)
+ *   v  = fma((1-b2)*g, g, v*b2)              (exp_avg_sq.mul_(b2).addcmul_(g, g, value=1-b2))
+ *   d  = sqrt(v) / sqrt(1-b2^t) + eps        (IEEE sqrt; the division exact, see below)
+ *   p  = p + (-lr/(1-b1^t) * m) / d          (param.addcdiv_(exp_avg, denom, value=-step_size))
+ * so the vector paths give torch's bits (torch's own vectorised sqrt is not correctly rounded; ours
+ * is, so we differ from torch where its sqrt is 1 ulp off).
+ *
+ * The divider (sqrt and division share it) bounds the speed, so the division by the per-call
+ * constant b = sqrt(1-b2^t) is done without it: s * (1/b) in double, rounded to fp32, equals the
+ * fp32 division s / b bit for bit. Proof: s = S 2^x and b = B 2^y with 24-bit integers S, B; a
+ * point halfway between two floats is M 2^z with M odd of 25 bits. If s/b is not such a point, its
+ * relative distance to it, |S 2^x - M B 2^(y+z)| / (M B 2^(y+z)), is at least 1 / (M B) > 2^-49
+ * (the numerator is a nonzero multiple of 2^(y+z), as x >= y+z+23 for s/b near M 2^z). And s/b is
+ * never such a point (M B would need 25 significant bits from S's 24). The double product is
+ * within 2^-52 of s/b (two roundings of 2^-53), so it rounds to the same float. s = sqrt(v) is 0,
+ * normal, Inf or NaN, never subnormal, and b is in (0, 1], so neither overflows nor underflows.
+ * Each loop iteration keeps four independent vectors in flight, which is what lets the kernel run
+ * at memory bandwidth instead of at the divider's latency.
+ */
+#include <errno.h>
+#include <math.h>
+
+#include "cpu_optim.h"
+
+/* Vectors per loop iteration: independent work in flight to cover the divider's latency. */
+#ifndef ZX_ADAM_UNROLL
+#define ZX_ADAM_UNROLL 4
+#endif
+
+/* Hyperparameters, rounded to fp32 from the double values torch computes in Python. */
+struct adam_ctx {
+	float grad_scale;
+	float wd;	/* L2 coefficient (Adam mode with weight decay) */
+	float decay;	/* 1 - lr*wd in AdamW mode, else 1 */
+	float w1;	/* the lerp coefficient for m: 1-b1, or (1-b1) - 1 when 1-b1 >= 0.5 */
+	int m_from_g;	/* 1-b1 >= 0.5: m = fma(w1, g - m, g) */
+	float b2, w2;	/* b2, 1-b2 */
+	float bc2;	/* sqrt(1 - b2^t), 1 without bias correction */
+	double inv_bc2; /* 1 / bc2, for the division by bc2 in double (see the top of the file) */
+	int div_bc2;	/* bc2 != 1 (it rounds to 1 after ~17k steps with b2 = 0.999) */
+	float eps;
+	float neg_step; /* -lr / (1 - b1^t) */
+	int l2;
+	int out_dtype;
+	int stream; /* a large call: the copy goes out with non-temporal stores */
+};
+
+static void adam_ctx_init(struct adam_ctx *c, const zx_adam_config *cfg, int out_dtype)
+{
+	double bc1 = 1.0, bc2 = 1.0;
+	if (cfg->bias_correction) {
+		bc1 = 1.0 - pow(cfg->beta1, (double)cfg->step);
+		bc2 = 1.0 - pow(cfg->beta2, (double)cfg->step);
+	}
+	double w1 = 1.0 - cfg->beta1;
+	c->grad_scale = (float)cfg->grad_scale;
+	c->l2 = !cfg->adamw_mode && cfg->weight_decay != 0.0;
+	c->wd = c->l2 ? (float)cfg->weight_decay : 0.0f;
+	c->decay = cfg->adamw_mode ? (float)(1.0 - cfg->lr * cfg->weight_decay) : 1.0f;
+	/* torch's lerp rounds the weight to fp32 and picks its formula from that */
+	c->m_from_g = fabsf((float)w1) >= 0.5f;
+	c->w1 = c->m_from_g ? (float)w1 - 1.0f : (float)w1;
+	c->b2 = (float)cfg->beta2;
+	c->w2 = (float)(1.0 - cfg->beta2);
+	c->bc2 = (float)sqrt(bc2);
+	c->inv_bc2 = 1.0 / (double)c->bc2;
+	c->div_bc2 = c->bc2 != 1.0f;
+	c->eps = (float)cfg->eps;
+	c->neg_step = (float)(-(cfg->lr / bc1));
+	c->out_dtype = out_dtype;
+	c->stream = 0;
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Scalar reference */
+
+static void adam_span_scalar(const void *ctx, const zx_optim_tensor *t, int64_t b, int64_t e,
+			     double *acc)
+{
+	const struct adam_ctx c = *(const struct adam_ctx *)ctx; /* a copy no store can alias */
+	float *P = t->param, *M = t->exp_avg, *V = t->exp_avg_sq;
+	const float *G = t->grad;
+	void *out = t->out;
+	for (int64_t i = b; i < e; i++) {
+		float p = P[i], g = G[i] * c.grad_scale, m = M[i], v = V[i];
+		if (c.l2)
+			g = zx_fmaf(c.wd, p, g);
+		else
+			p = p * c.decay;
+		m = zx_fmaf(c.w1, g - m, c.m_from_g ? g : m);
+		v = zx_fmaf(c.w2 * g, g, v * c.b2);
+		float d = sqrtf(v);
+		if (c.div_bc2) /* == d / c.bc2 */
+			d = (float)((double)d * c.inv_bc2);
+		d = d + c.eps;
+		p = p + (c.neg_step * m) / d;
+		P[i] = p;
+		M[i] = m;
+		V[i] = v;
+		if (out)
+			zx_store16_scalar(out, i, p, c.out_dtype);
+	}
+}
+
+#if ZX_HAVE_X86
+/* ---------------------------------------------------------------------------------------------------
+ * AVX2 + FMA: 8 lanes, 4 vectors per iteration */
+
+struct adam_v8 {
+	__m256 grad_scale, wd, decay, w1, m_from_g, b2, w2, eps, neg_step;
+	__m256d inv_bc2;
+	int stream; /* this span streams its copy */
+};
+
+#define ZX_INLINE static inline __attribute__((always_inline))
+
+/* Calls loop(c, t, b, e, l2, dbc, odt) with l2, dbc and odt as constants, one specialisation each. */
+#define ADAM_ODT(loop, c, t, b, e, L2, DBC, odt)                                                    \
+	do {                                                                                        \
+		if ((odt) == ZX_BF16)                                                               \
+			loop(c, t, b, e, L2, DBC, ZX_BF16);                                         \
+		else if ((odt) == ZX_F16)                                                           \
+			loop(c, t, b, e, L2, DBC, ZX_F16);                                          \
+		else                                                                                \
+			loop(c, t, b, e, L2, DBC, -1);                                              \
+	} while (0)
+#define ADAM_DISPATCH(loop, c, t, b, e, odt)                                                        \
+	do {                                                                                        \
+		if ((c)->l2 && (c)->div_bc2)                                                        \
+			ADAM_ODT(loop, c, t, b, e, 1, 1, odt);                                      \
+		else if ((c)->l2)                                                                   \
+			ADAM_ODT(loop, c, t, b, e, 1, 0, odt);                                      \
+		else if ((c)->div_bc2)                                                              \
+			ADAM_ODT(loop, c, t, b, e, 0, 1, odt);                                      \
+		else                                                                                \
+			ADAM_ODT(loop, c, t, b, e, 0, 0, odt);                                      \
+	} while (0)
+
+/* One vector of 8 at offset i; tail != 0: only the lanes in mask (the last r < 8 elements). */
+ZX_TARGET_AVX2 ZX_INLINE void adam8(const struct adam_v8 *k, const zx_optim_tensor *t, int64_t i,
+				    const int l2, const int dbc, const int odt, const int tail,
+				    __m256i mask, int64_t r)
+{
+	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
+	const float *gp = t->grad + i;
+	__m256 p, g, m, v;
+	if (tail) {
+		p = _mm256_maskload_ps(pp, mask);
+		g = _mm256_maskload_ps(gp, mask);
+		m = _mm256_maskload_ps(mp, mask);
+		v = _mm256_maskload_ps(vp, mask);
+	} else {
+		p = _mm256_loadu_ps(pp);
+		g = _mm256_loadu_ps(gp);
+		m = _mm256_loadu_ps(mp);
+		v = _mm256_loadu_ps(vp);
+	}
+	g = _mm256_mul_ps(g, k->grad_scale);
+	if (l2)
+		g = _mm256_fmadd_ps(k->wd, p, g);
+	else
+		p = _mm256_mul_ps(p, k->decay);
+	m = _mm256_fmadd_ps(k->w1, _mm256_sub_ps(g, m), _mm256_blendv_ps(m, g, k->m_from_g));
+	v = _mm256_fmadd_ps(_mm256_mul_ps(k->w2, g), g, _mm256_mul_ps(v, k->b2));
+	__m256 d = _mm256_sqrt_ps(v);
+	if (dbc) { /* d / bc2, in double: exact, and off the divider */
+		__m128 lo = _mm256_castps256_ps128(d), hi = _mm256_extractf128_ps(d, 1);
+		lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(lo), k->inv_bc2));
+		hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(hi), k->inv_bc2));
+		d = _mm256_set_m128(hi, lo);
+	}
+	d = _mm256_add_ps(d, k->eps);
+	p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(k->neg_step, m), d));
+	if (tail) {
+		_mm256_maskstore_ps(pp, mask, p);
+		_mm256_maskstore_ps(mp, mask, m);
+		_mm256_maskstore_ps(vp, mask, v);
+		if (odt >= 0)
+			zx_store16_tail((uint16_t *)t->out + i, zx_to16x8(p, odt), r);
+	} else {
+		_mm256_storeu_ps(pp, p);
+		_mm256_storeu_ps(mp, m);
+		_mm256_storeu_ps(vp, v);
+		if (odt >= 0)
+			zx_store16x8((uint16_t *)t->out + i, zx_to16x8(p, odt), k->stream);
+	}
+}
+
+ZX_TARGET_AVX2 ZX_INLINE void adam_loop_avx2(const struct adam_ctx *c, const zx_optim_tensor *t,
+					     int64_t b, int64_t e, const int l2, const int dbc,
+					     const int odt)
+{
+	const struct adam_v8 k = {
+		.grad_scale = _mm256_set1_ps(c->grad_scale),
+		.wd = _mm256_set1_ps(c->wd),
+		.decay = _mm256_set1_ps(c->decay),
+		.w1 = _mm256_set1_ps(c->w1),
+		.m_from_g = _mm256_castsi256_ps(_mm256_set1_epi32(c->m_from_g ? -1 : 0)),
+		.b2 = _mm256_set1_ps(c->b2),
+		.w2 = _mm256_set1_ps(c->w2),
+		.inv_bc2 = _mm256_set1_pd(c->inv_bc2),
+		.eps = _mm256_set1_ps(c->eps),
+		.neg_step = _mm256_set1_ps(c->neg_step),
+		.stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 16),
+	};
+	const __m256i all = _mm256_set1_epi32(-1);
+	int64_t i = b;
+	for (; i + 8 * ZX_ADAM_UNROLL <= e; i += 8 * ZX_ADAM_UNROLL) {
+		for (int u = 0; u < ZX_ADAM_UNROLL; u++)
+			adam8(&k, t, i + 8 * u, l2, dbc, odt, 0, all, 8);
+	}
+	for (; i + 8 <= e; i += 8)
+		adam8(&k, t, i, l2, dbc, odt, 0, all, 8);
+	if (i < e)
+		adam8(&k, t, i, l2, dbc, odt, 1, zx_tail_mask8(e - i), e - i);
+	if (k.stream)
+		_mm_sfence(); /* the copy is complete before the caller (or DMA) reads it */
+}
+
+ZX_TARGET_AVX2 static void adam_span_avx2(const void *ctx, const zx_optim_tensor *t, int64_t b,
+					  int64_t e, double *acc)
+{
+	const struct adam_ctx *c = ctx;
+	int odt = t->out ? c->out_dtype : -1;
+	ADAM_DISPATCH(adam_loop_avx2, c, t, b, e, odt);
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * AVX-512: 16 lanes, 4 vectors per iteration, the tail through a mask */
+
+struct adam_v16 {
+	__m512 grad_scale, wd, decay, w1, b2, w2, eps, neg_step;
+	__m512d inv_bc2;
+	__mmask16 m_from_g;
+	int stream; /* this span streams its copy */
+};
+
+ZX_TARGET_AVX512 ZX_INLINE void adam16(const struct adam_v16 *k, const zx_optim_tensor *t,
+				       int64_t i, const int l2, const int dbc, const int odt,
+				       __mmask16 mask)
+{
+	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
+	__m512 p = _mm512_maskz_loadu_ps(mask, pp);
+	__m512 g = _mm512_maskz_loadu_ps(mask, t->grad + i);
+	__m512 m = _mm512_maskz_loadu_ps(mask, mp);
+	__m512 v = _mm512_maskz_loadu_ps(mask, vp);
+	g = _mm512_mul_ps(g, k->grad_scale);
+	if (l2)
+		g = _mm512_fmadd_ps(k->wd, p, g);
+	else
+		p = _mm512_mul_ps(p, k->decay);
+	m = _mm512_fmadd_ps(k->w1, _mm512_sub_ps(g, m), _mm512_mask_blend_ps(k->m_from_g, m, g));
+	v = _mm512_fmadd_ps(_mm512_mul_ps(k->w2, g), g, _mm512_mul_ps(v, k->b2));
+	__m512 d = _mm512_sqrt_ps(v);
+	if (dbc) { /* d / bc2, in double: exact, and off the divider */
+		__m256 lo = _mm512_castps512_ps256(d);
+		__m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1));
+		lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(lo), k->inv_bc2));
+		hi = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(hi), k->inv_bc2));
+		d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
+							_mm256_castps_pd(hi), 1));
+	}
+	d = _mm512_add_ps(d, k->eps);
+	p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k->neg_step, m), d));
+	_mm512_mask_storeu_ps(pp, mask, p);
+	_mm512_mask_storeu_ps(mp, mask, m);
+	_mm512_mask_storeu_ps(vp, mask, v);
+	if (odt >= 0)
+		zx_store16x16((uint16_t *)t->out + i, zx_to16x16(p, odt), mask, k->stream);
+}
+
+ZX_TARGET_AVX512 ZX_INLINE void adam_loop_avx512(const struct adam_ctx *c,
+						 const zx_optim_tensor *t, int64_t b, int64_t e,
+						 const int l2, const int dbc, const int odt)
+{
+	const struct adam_v16 k = {
+		.grad_scale = _mm512_set1_ps(c->grad_scale),
+		.wd = _mm512_set1_ps(c->wd),
+		.decay = _mm512_set1_ps(c->decay),
+		.w1 = _mm512_set1_ps(c->w1),
+		.b2 = _mm512_set1_ps(c->b2),
+		.w2 = _mm512_set1_ps(c->w2),
+		.inv_bc2 = _mm512_set1_pd(c->inv_bc2),
+		.eps = _mm512_set1_ps(c->eps),
+		.neg_step = _mm512_set1_ps(c->neg_step),
+		.m_from_g = c->m_from_g ? (__mmask16)0xffff : 0,
+		.stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 32),
+	};
+	const __mmask16 all = 0xffff;
+	int64_t i = b;
+	for (; i + 16 * ZX_ADAM_UNROLL <= e; i += 16 * ZX_ADAM_UNROLL) {
+		for (int u = 0; u < ZX_ADAM_UNROLL; u++)
+			adam16(&k, t, i + 16 * u, l2, dbc, odt, all);
+	}
+	for (; i + 16 <= e; i += 16)
+		adam16(&k, t, i, l2, dbc, odt, all);
+	if (i < e)
+		adam16(&k, t, i, l2, dbc, odt, zx_tail_mask16(e - i));
+	if (k.stream)
+		_mm_sfence(); /* the copy is complete before the caller (or DMA) reads it */
+}
+
+ZX_TARGET_AVX512 static void adam_span_avx512(const void *ctx, const zx_optim_tensor *t,
+					      int64_t b, int64_t e, double *acc)
+{
+	const struct adam_ctx *c = ctx;
+	int odt = t->out ? c->out_dtype : -1;
+	ADAM_DISPATCH(adam_loop_avx512, c, t, b, e, odt);
+}
+#endif /* ZX_HAVE_X86 */
+
+/* ---------------------------------------------------------------------------------------------------
+ * Entry */
+
+int zx_adam_step(const zx_adam_config *cfg, const zx_optim_tensor *t, int64_t ntensors,
+		 int out_dtype, int isa)
+{
+	int level = zx_optim_isa(isa);
+	if (level < 0)
+		return level;
+	if (!cfg || cfg->step < 1)
+		return -EINVAL;
+	int rc = zx_optim_check(t, ntensors,
+				ZX_NEED_PARAM | ZX_NEED_GRAD | ZX_NEED_EXP_AVG | ZX_NEED_EXP_AVG_SQ,
+				out_dtype);
+	if (rc)
+		return rc;
+	struct adam_ctx c;
+	adam_ctx_init(&c, cfg, out_dtype);
+	c.stream = zx_optim_numel(t, ntensors) >= ZX_STREAM_MIN;
+	zx_span_fn fn = adam_span_scalar;
+#if ZX_HAVE_X86
+	if (level == ZX_SIMD_AVX512)
+		fn = adam_span_avx512;
+	else if (level == ZX_SIMD_AVX2)
+		fn = adam_span_avx2;
+#endif
+	return zx_optim_run(t, ntensors, fn, &c, NULL);
+}

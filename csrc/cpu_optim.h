@@ -1,0 +1,223 @@
+/* cpu_optim.h - internals shared by the CPU optimizer files (cpu_optim.c, cpu_adam.c,
+ * cpu_optim_adagrad.c, cpu_optim_lion.c, membw.c); not part of the API (that is cpu_adam.h).
+ *
+ * defines: the tiled multi-tensor driver zx_optim_run, argument checks, and fp32 -> bf16/fp16
+ * conversions for the scalar, AVX2 and AVX-512 paths, which must all give torch's bits.
+ */
+#ifndef ZX_CPU_OPTIM_H
+#define ZX_CPU_OPTIM_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_adam.h"
+#include "cpu_features.h"
+#include "dtype.h"
+
+#if ZX_HAVE_X86
+#include <immintrin.h>
+#endif
+
+/* The tensors of a call are laid end to end in one index space, each starting at a multiple of
+ * ZX_OPTIM_ALIGN elements (so a tile boundary inside a tensor keeps its base's vector alignment),
+ * and that space is cut into tiles of ZX_OPTIM_TILE elements that threads take from an atomic
+ * counter: one tile may cover many small tensors, one large tensor spans many tiles. */
+#define ZX_OPTIM_TILE 32768   /* elements: 128 KiB of each fp32 array */
+#define ZX_OPTIM_ALIGN 64     /* elements */
+#define ZX_OPTIM_INLINE 65536 /* calls with fewer elements than this run on the caller's thread */
+
+/* Calls with at least this many elements write their bf16/fp16 copies with non-temporal stores:
+ * the copy is for the device, and storing it through the caches would first read every one of its
+ * lines from memory (2 of the ~32 bytes an Adam step moves per element) and evict the state. Below
+ * this the whole step fits in the caches, where plain stores are faster. */
+#define ZX_STREAM_MIN (1 << 22)
+
+/* Works on elements [begin, end) of one tensor; adds to *acc where the call is a reduction. */
+typedef void (*zx_span_fn)(const void *ctx, const zx_optim_tensor *t, int64_t begin, int64_t end,
+			   double *acc);
+
+/* Runs fn over every element of t (n,) on the pool's threads. sum: NULL, or where the total of
+ * the per-tile accumulators goes, added in tile order (so it does not depend on the threads).
+ * Returns 0, -EOVERFLOW for more than 2^62 elements, or -ENOMEM. */
+int zx_optim_run(const zx_optim_tensor *t, int64_t n, zx_span_fn fn, const void *ctx, double *sum);
+
+/* Elements in t (n,) in all (numels already checked to be >= 0). */
+static inline int64_t zx_optim_numel(const zx_optim_tensor *t, int64_t n)
+{
+	int64_t total = 0;
+	for (int64_t i = 0; i < n; i++)
+		total += t[i].numel;
+	return total;
+}
+
+/* isa as passed to the API (-1 or a zx_simd) -> the level to run, or -EINVAL. */
+int zx_optim_isa(int isa);
+
+/* Which fields zx_optim_check requires to be set when numel > 0. */
+enum {
+	ZX_NEED_PARAM = 1,
+	ZX_NEED_GRAD = 2,
+	ZX_NEED_EXP_AVG = 4,
+	ZX_NEED_EXP_AVG_SQ = 8,
+};
+
+/* 0 if every tensor has numel >= 0, the fields in `need` set and naturally aligned, and, where
+ * any out is set, out_dtype is ZX_BF16 or ZX_F16; else -EINVAL. */
+int zx_optim_check(const zx_optim_tensor *t, int64_t n, unsigned need, int out_dtype);
+
+/* fma(a, b, c) for the portable path: the hardware instruction where the compiler may use it,
+ * otherwise in double, where a*b is exact (24 + 24 bits < 53) and only the sum rounds before the
+ * final rounding to fp32. That double rounding can differ from a fused result only when the sum
+ * lands within 2^-53 of a point halfway between two floats (about one operation in 2^29), so the
+ * portable path gives the vector paths' bits in practice, at the speed of plain C. */
+static inline float zx_fmaf(float a, float b, float c)
+{
+#ifdef FP_FAST_FMAF
+	return __builtin_fmaf(a, b, c);
+#else
+	return (float)((double)a * (double)b + (double)c);
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * fp32 -> bf16 / fp16, scalar. Round to nearest even in integer arithmetic: subnormals stay,
+ * overflow goes to infinity. */
+
+static inline uint32_t zx_f32_bits(float x)
+{
+	uint32_t u;
+	memcpy(&u, &x, sizeof(u));
+	return u;
+}
+
+static inline uint16_t zx_bf16_scalar(float x)
+{
+	uint32_t u = zx_f32_bits(x);
+	if ((u & 0x7fffffffu) > 0x7f800000u)
+		return 0xffff; /* NaN, as torch's vectorised cast writes it */
+	return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t zx_f16_scalar(float x)
+{
+	uint32_t u = zx_f32_bits(x);
+	uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+	uint32_t a = u & 0x7fffffffu;
+	if (a > 0x7f800000u) /* NaN: quiet, sign and top payload bits kept (F16C) */
+		return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu);
+	if (a >= 0x477ff000u) /* >= 65520 rounds to infinity; infinity stays */
+		return sign | 0x7c00u;
+	if (a >= 0x38800000u) { /* normal in fp16: rebias the exponent by 127 - 15, round 13 bits */
+		uint32_t r = a - 0x38000000u;
+		r += 0xfffu + ((r >> 13) & 1u);
+		return sign | (uint16_t)(r >> 13);
+	}
+	uint32_t e = a >> 23;
+	if (e < 102) /* below 2^-25: rounds to zero */
+		return sign;
+	/* subnormal in fp16: units of 2^-24, i.e. the 24-bit significand shifted right by 126 - e */
+	uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+	uint32_t shift = 126 - e; /* 14..24 */
+	uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+	if (rem > half || (rem == half && (q & 1u)))
+		q++;
+	return sign | (uint16_t)q;
+}
+
+static inline void zx_store16_scalar(void *out, int64_t i, float x, int dtype)
+{
+	((uint16_t *)out)[i] = dtype == ZX_BF16 ? zx_bf16_scalar(x) : zx_f16_scalar(x);
+}
+
+#if ZX_HAVE_X86
+/* ---------------------------------------------------------------------------------------------------
+ * AVX2: 8 lanes. Same integer rounding; fp16 through F16C, whose results the scalar code copies. */
+
+ZX_TARGET_AVX2 static inline __m128i zx_bf16x8(__m256 x)
+{
+	__m256i u = _mm256_castps_si256(x);
+	__m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+	__m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+	r = _mm256_srli_epi32(r, 16);
+	__m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+	r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xffff), _mm256_castps_si256(nan));
+	/* 32 -> 16 bits: packus works per 128-bit lane, so gather the two halves after it */
+	r = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+	return _mm256_castsi256_si128(r);
+}
+
+ZX_TARGET_AVX2 static inline __m128i zx_to16x8(__m256 x, int dtype)
+{
+	return dtype == ZX_BF16 ? zx_bf16x8(x) : _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
+/* Lanes [0, r) set, for maskload/maskstore of a tail of r < 8 elements. */
+ZX_TARGET_AVX2 static inline __m256i zx_tail_mask8(int64_t r)
+{
+	return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)r), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Whether a span may stream its copy: a large call (ZX_STREAM_MIN), and the span's first vector
+ * of `bytes` aligned, as non-temporal stores need (vectors then stay aligned along the span). */
+static inline int zx_stream_span(int stream, const void *out, int64_t begin, uintptr_t bytes)
+{
+	return stream && out && ((uintptr_t)((const uint16_t *)out + begin) & (bytes - 1)) == 0;
+}
+
+/* Stores 8 16-bit values at out16, bypassing the caches where stream is set (see ZX_STREAM_MIN;
+ * the span ends with _mm_sfence then). */
+ZX_TARGET_AVX2 static inline void zx_store16x8(uint16_t *out16, __m128i v, int stream)
+{
+	if (stream)
+		_mm_stream_si128((__m128i *)out16, v);
+	else
+		_mm_storeu_si128((__m128i *)out16, v);
+}
+
+/* Stores the first r (1..8) 16-bit values of v at out16. */
+static inline void zx_store16_tail(uint16_t *out16, __m128i v, int64_t r)
+{
+	uint16_t tmp[8];
+	memcpy(tmp, &v, sizeof(tmp));
+	memcpy(out16, tmp, (size_t)r * sizeof(uint16_t));
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * AVX-512: 16 lanes, tails through masks. Not VCVTNEPS2BF16 (AVX512-BF16): it flushes subnormal
+ * inputs to zero and writes NaN differently from torch. */
+
+ZX_TARGET_AVX512 static inline __m256i zx_bf16x16(__m512 x)
+{
+	__m512i u = _mm512_castps_si512(x);
+	__m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+	__m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+	r = _mm512_srli_epi32(r, 16);
+	__mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+	r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0xffff));
+	return _mm512_cvtepi32_epi16(r);
+}
+
+ZX_TARGET_AVX512 static inline __m256i zx_to16x16(__m512 x, int dtype)
+{
+	return dtype == ZX_BF16 ? zx_bf16x16(x)
+				: _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+ZX_TARGET_AVX512 static inline __mmask16 zx_tail_mask16(int64_t r)
+{
+	return (__mmask16)((1u << r) - 1u);
+}
+
+/* Stores the lanes in mask of 16 16-bit values at out16; full vectors bypass the caches where
+ * stream is set (see zx_store16x8). */
+ZX_TARGET_AVX512 static inline void zx_store16x16(uint16_t *out16, __m256i v, __mmask16 mask,
+						 int stream)
+{
+	if (stream && mask == 0xffff)
+		_mm256_stream_si256((__m256i *)out16, v);
+	else
+		_mm256_mask_storeu_epi16(out16, mask, v);
+}
+#endif /* ZX_HAVE_X86 */
+
+#endif /* ZX_CPU_OPTIM_H */

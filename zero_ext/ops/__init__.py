@@ -1,0 +1,19 @@
+"""zero_ext.ops: DeepSpeed's deepspeed.ops CPU optimizers over zero_ext's C kernels.
+
+    from zero_ext.ops.adam import DeepSpeedCPUAdam      # as deepspeed.ops.adam.DeepSpeedCPUAdam
+    from zero_ext.ops.adagrad import DeepSpeedCPUAdagrad
+    from zero_ext.ops.lion import DeepSpeedCPULion
+
+The kernels themselves, on lists of tensors, are in zero_ext.ops.functional (adam_step,
+adagrad_step, lion_step, grad_sqnorm, cast_). Their threads follow torch.get_num_threads() unless
+set_num_threads() fixes them.
+"""
+from .adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
+from .adam import CPUAdam, DeepSpeedCPUAdam
+from .functional import available_isas, get_num_threads, set_num_threads
+from .lion import CPULion, DeepSpeedCPULion
+
+__all__ = [
+    "CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "DeepSpeedCPUAdagrad", "CPULion", "DeepSpeedCPULion",
+    "set_num_threads", "get_num_threads", "available_isas",
+]
