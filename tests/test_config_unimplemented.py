@@ -174,7 +174,7 @@ def test_implemented_features_pass(source):
     reject_unimplemented(load_quiet(source))
 
 
-@pytest.mark.parametrize("kind, refused", [("AdamW", False), ("Adam", False), ("Lamb", True), ("Lion", True)])
+@pytest.mark.parametrize("kind, refused", [("AdamW", False), ("Adam", False), ("Lamb", True), ("Lion", False), ("OneBitAdam", True)])
 def test_value_entries_refuse_only_their_values(kind, refused):
     problems = _problems(load_config({"optimizer": {"type": kind}}))
     assert (["optimizer.type"] if refused else []) == [p.path for p in problems]

@@ -265,3 +265,42 @@ def test_config_scheduler_steps_with_applied_steps_only():
     # DeepSpeed's WarmupLR: the first step() is iteration 0 (warmup_min_lr), so three applied steps
     # reach iteration 2 of the 10-step linear warm-up
     assert lrs[4] == pytest.approx(0.01 * 2 / 10)
+
+
+def _train_lion(stage):
+    import zero_ext
+
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+           "optimizer": {"type": "Lion", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": stage}}
+    engine = zero_ext.initialize(model=MLP(), config=cfg)[0]
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, y = MLP.batch(2 * world, gen)
+        engine.backward(engine.module.loss((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])))
+        engine.step()
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        return type(engine.optimizer.optimizer).__name__, {n: p.detach().clone()
+                                                             for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lion_from_the_config_runs_the_c_optimizer_and_matches_it_unpartitioned(stage):
+    from zero_ext.ops import CPULion
+
+    name, params = run_ranks(2, _train_lion, stage)[0]
+    torch.manual_seed(0)
+    ref = MLP()
+    opt = CPULion([p for p in ref.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x, y = MLP.batch(4, gen)
+        for r in range(2):
+            (ref.loss((x[2 * r:2 * r + 2], y[2 * r:2 * r + 2])) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert name == "CPULion"
+    for n, p in ref.named_parameters():
+        assert ((params[n] - p.detach()).abs() <= 1e-5 * (p.detach().abs() + 1e-3)).all(), n

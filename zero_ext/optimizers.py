@@ -28,6 +28,13 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         return cls(param_groups, **kwargs)
+    if opt_cfg.type == "lion":
+        if any(p.is_cuda for g in param_groups for p in g["params"]):
+            raise ConfigError("optimizer.type = 'Lion' on CUDA tensors is not implemented by zero_ext yet (its C "
+                              "Lion runs on CPU tensors); use AdamW, or train on CPU")
+        from .ops.lion import CPULion
+
+        return CPULion(param_groups, **params)
     name = {"adagrad": "Adagrad"}.get(opt_cfg.type, opt_cfg.type)
     cls = getattr(torch.optim, name, None)
     if cls is None:

@@ -66,7 +66,7 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "communication_data_type": "gradient communication in another dtype",
     # -- optimizer, scheduler, gradients ---------------------------------------------------------
     "optimizer.type": {"reason": "this DeepSpeed optimizer",
-                       "values": ["lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion",
+                       "values": ["lamb", "onebitadam", "zerooneadam", "onebitlamb",
                                   "muon", "muadam", "muadamw", "musgd"]},
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer",
     "prescale_gradients": "gradient pre-scaling",
