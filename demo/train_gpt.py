@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--log-every", type=int, default=25, help="print a line every N steps (the bar shows each)")
     p.add_argument("--sample-chars", type=int, default=300)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--checkpoint", default=None,
+                   help="folder: resume from its latest checkpoint if there is one, and save one at the end")
     return p.parse_args()
 
 
@@ -89,7 +91,8 @@ def eval_loss(engine, corpus, args, batches: int = 4) -> float:
 
 
 def train(engine, corpus, args, rank, world):
-    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank reads its own windows
+    # each rank reads its own windows; a resumed run continues with new ones
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank + 7919 * engine.global_steps)
     tokens = world * args.batch * args.block
     bar = tqdm(range(args.steps), disable=rank != 0, dynamic_ncols=True, desc="train")
     first = last = None
@@ -139,12 +142,18 @@ def main():
         print(f"zero_ext demo: ZeRO stage {stage}, {'bf16' if args.bf16 else 'fp32'}, {world} ranks (gloo), "
               f"{n_params / 1e6:.2f}M parameters, vocab {corpus.vocab_size}, "
               f"{world} x {args.batch} x {args.block} = {world * args.batch * args.block} tokens per step", flush=True)
+    if args.checkpoint:
+        path, _ = engine.load_checkpoint(args.checkpoint)  # (None, None) when there is none yet
+        if rank == 0 and path:
+            print(f"resumed from {path} at step {engine.global_steps}", flush=True)
     val_before = eval_loss(engine, corpus, args)
     t0 = time.perf_counter()
     first, last = train(engine, corpus, args, rank, world)
     seconds = time.perf_counter() - t0
     val_after = eval_loss(engine, corpus, args)
 
+    if args.checkpoint:
+        engine.save_checkpoint(args.checkpoint)  # every rank writes its shard
     rows = [None] * world if rank == 0 else None
     dist.gather_object(engine.memory_breakdown(), rows, dst=0)
     text = sample(gpt, corpus, args)
@@ -153,6 +162,9 @@ def main():
               f"held-out loss {val_before:.3f} -> {val_after:.3f}")
         print(memory_table(rows, n_params, args.bf16, stage))
         print(f"\nsample (temperature 0.8):\n{text}")
+        if args.checkpoint:
+            print(f"\ncheckpoint saved in {args.checkpoint} at step {engine.global_steps}; run the same command "
+                  "again to resume from it")
     engine.destroy()
     dist.destroy_process_group()
 
