@@ -127,8 +127,9 @@ def uring_options():
 
 
 def extensions():
+    # depends: headers hold inline kernels (cpu_optim.h), so a changed header rebuilds the module
     exts = [Extension("zero_ext._C", sources=C_SOURCES, include_dirs=["csrc"], extra_compile_args=C_FLAGS,
-                      **uring_options())]
+                      depends=sorted(glob.glob("csrc/*.h")), **uring_options())]
     cuda = cuda_wanted()
     if cuda:
         lib = CudaLibrary("zero_ext.libzx_cuda", sources=CUDA_SOURCES)
