@@ -528,48 +528,13 @@ static void free_op(struct zx_aio_op *op)
 	free(op);
 }
 
-/* In a forked child: the copy of a parent's handle has no workers, and its locks may have been held
- * at fork. Only the child's copies of descriptors and memory are released. */
-static void forget_in_child(struct zx_aio *aio)
+/* Frees the workers' rings and buffers and every op; join: wait for the worker threads first (not in a
+ * forked child, where a parent's handle has no threads and its locks may have been held at fork). */
+static void free_handle_memory(struct zx_aio *aio, int join)
 {
 	for (int i = 0; i < aio->nworkers; i++) {
 		struct zx_aio_worker *w = &aio->workers[i];
-#if ZX_HAVE_URING
-		if (w->has_ring)
-			io_uring_queue_exit(&w->ring);
-#endif
-		free(w->reqs);
-		free(w->batch);
-	}
-	while (aio->ops) {
-		struct zx_aio_op *op = aio->ops;
-		aio->ops = op->next;
-		free_op(op);
-	}
-	free(aio->workers);
-	free(aio);
-}
-
-void zx_aio_exit(struct zx_aio *aio)
-{
-	if (!aio)
-		return;
-	if (aio->pid != getpid()) {
-		forget_in_child(aio);
-		return;
-	}
-	pthread_mutex_lock(&aio->lock);
-	aio->stopping = 1;
-	while (aio->qhead) {
-		struct zx_aio_op *op = aio->qhead;
-		cancel_rest(aio, op, -ECANCELED);
-		op_finished_check(aio, op);
-	}
-	pthread_cond_broadcast(&aio->work);
-	pthread_mutex_unlock(&aio->lock);
-	for (int i = 0; i < aio->nworkers; i++) {
-		struct zx_aio_worker *w = &aio->workers[i];
-		if (w->started)
+		if (join && w->started)
 			pthread_join(w->thread, NULL);
 #if ZX_HAVE_URING
 		if (w->has_ring)
@@ -584,6 +549,27 @@ void zx_aio_exit(struct zx_aio *aio)
 		free_op(op);
 	}
 	free(aio->workers);
+}
+
+void zx_aio_exit(struct zx_aio *aio)
+{
+	if (!aio)
+		return;
+	if (aio->pid != getpid()) { /* a forked child's copy: only its memory and descriptors */
+		free_handle_memory(aio, 0);
+		free(aio);
+		return;
+	}
+	pthread_mutex_lock(&aio->lock);
+	aio->stopping = 1;
+	while (aio->qhead) {
+		struct zx_aio_op *op = aio->qhead;
+		cancel_rest(aio, op, -ECANCELED);
+		op_finished_check(aio, op);
+	}
+	pthread_cond_broadcast(&aio->work);
+	pthread_mutex_unlock(&aio->lock);
+	free_handle_memory(aio, 1);
 	pthread_cond_destroy(&aio->done);
 	pthread_cond_destroy(&aio->work);
 	pthread_mutex_destroy(&aio->lock);

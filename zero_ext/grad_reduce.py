@@ -33,6 +33,14 @@ class Averaging:
         self.post = 1.0 if prescale else predivide / world
 
 
+def accumulate(dst: torch.Tensor, src: torch.Tensor, post: float) -> None:
+    """dst += src * post: a reduced bucket's run into an fp32 gradient partition (no multiply for 1)."""
+    if post != 1.0:
+        dst.add_(src.float(), alpha=post)
+    else:
+        dst.add_(src)
+
+
 def _chunks(n: int, size: int):
     size = max(1, size)
     for start in range(0, n, size):
@@ -219,12 +227,7 @@ class BucketReducer:
                 h.wait()
         post = self.avg.post if self.world > 1 else 1.0
         for gi, partoff, length in mine:
-            dst = self.groups[gi].grad[partoff:partoff + length]
-            src = buf[pos:pos + length]
-            if post != 1.0:
-                dst.add_(src.float(), alpha=post)
-            else:
-                dst.add_(src)
+            accumulate(self.groups[gi].grad[partoff:partoff + length], buf[pos:pos + length], post)
             pos += length
         self.pending = [e for e in self.pending if e is not entry]
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import planner
-from .grad_reduce import Averaging
+from .grad_reduce import Averaging, accumulate
 from .planner import Piece
 
 
@@ -164,12 +164,7 @@ class ShardReducer:
         for zp in members:
             gi, i = self.where[id(zp)]
             g = self.groups[gi]
-            dst = g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]]
-            src = block[pos:pos + g.shards[i]]
-            if post != 1.0:
-                dst.add_(src.float(), alpha=post)
-            else:
-                dst.add_(src)
+            accumulate(g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]], block[pos:pos + g.shards[i]], post)
             pos += g.shards[i]
         self.pending = [e for e in self.pending if e is not entry]
         self.buffers = [b for b in self.buffers if b is not block]
