@@ -71,4 +71,32 @@ class TinyGPT(nn.Module):
         return [{"params": list(self.parameters())}]
 
 
-MODELS = {"mlp": MLP, "gpt": TinyGPT}
+class Branchy(nn.Module):
+    """Takes a different branch on different steps (decided by the data, the same on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(7, 9)
+        self.left = nn.Linear(9, 9)
+        self.right = nn.Sequential(nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 9))
+        self.head = nn.Linear(9, 5)
+
+    def forward(self, x, go_left):
+        h = torch.tanh(self.inp(x))
+        h = self.left(h) if go_left else self.right(h)
+        return self.head(torch.tanh(h))
+
+    def loss(self, batch):
+        x, y, go_left = batch
+        return (self(x, go_left) - y).pow(2).mean()
+
+    @staticmethod
+    def batch(n, generator, dtype=torch.float32):
+        x, y = MLP.batch(n, generator, dtype)
+        return x, y, bool(torch.randint(0, 2, (1,), generator=generator).item())
+
+    def param_groups(self):
+        return [{"params": list(self.parameters())}]
+
+
+MODELS = {"mlp": MLP, "gpt": TinyGPT, "branchy": Branchy}

@@ -56,6 +56,8 @@ CASES = [
     (3, "bf16", 4, 1, "mlp", 1.0, {"sub_group_size": 50, "stage3_param_persistence_threshold": 0}),
     (3, "bf16", 1, 1, "mlp", 1.0, {"overlap_comm": False, "stage3_param_persistence_threshold": 0}),
     (3, "fp32", 2, 3, "mlp", 1.0, {}),  # the default threshold: every parameter persistent
+    (3, "fp32", 2, 1, "branchy", 1.0, {"stage3_param_persistence_threshold": 0}),
+    (2, "bf16", 2, 1, "branchy", 1.0, {}),
     # top-level keys that change how gradients are averaged and in which dtype they travel
     (2, "bf16", 2, 3, "gpt", 1.0, {"_top": {"communication_data_type": "fp32"}}),
     (0, "bf16", 4, 1, "mlp", 1.0, {"_top": {"communication_data_type": "fp32", "data_types": {"grad_accum_dtype": "bf16"}}}),
@@ -92,7 +94,10 @@ def _batches(case):
     gen = torch.Generator().manual_seed(1234)
     cls = MODELS[model]
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    return [[[cls.batch(MICRO, gen, dt) for _ in range(world)] for _ in range(gas)] for _ in range(STEPS)]
+    out = [[[cls.batch(MICRO, gen, dt) for _ in range(world)] for _ in range(gas)] for _ in range(STEPS)]
+    if model == "branchy":  # the branch changes from step to step, but is the same on every rank
+        out = [[[(x, y, micro[0][2]) for x, y, _ in micro] for micro in step] for step in out]
+    return out
 
 
 def _new_model(model):
@@ -141,6 +146,9 @@ def _reference_fp32(case):
                 loss = model.loss(micro[r])
                 (loss / world / gas).backward() if (world, gas) != (1, 1) else loss.backward()
                 losses[r].append(loss.item())
+        for p in trainable:  # ZeRO steps every trainable parameter; one unused this step with a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
@@ -170,7 +178,8 @@ def _reference_bf16(case):
                 (loss / gas).backward()
                 losses[r].append(loss.item())
                 for n in names:
-                    grads[n] += lp[n].grad.float() / world
+                    if lp[n].grad is not None:  # unused this step: a zero gradient
+                        grads[n] += lp[n].grad.float() / world
         if clip > 0:
             norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads.values()))
             coef = clip / (norm + 1e-6)
