@@ -4,7 +4,7 @@
     ...
     engine.reload_states()         # back, bit for bit; training goes on as if nothing happened
 
-Kinds (``OffloadStateTypeEnum``, DeepSpeed's names), for stages 0-2:
+Kinds (``OffloadStateTypeEnum``, DeepSpeed's names), for stages 0-3:
 - ``optim_states``: the base optimizer's state tensors (Adam's moments);
 - ``hp_params``: the fp32 master partitions — when the model is fp32 they *are* the parameters'
   partition (no copy exists), so this kind moves nothing and ``lp_params`` carries them;
@@ -13,7 +13,9 @@ Kinds (``OffloadStateTypeEnum``, DeepSpeed's names), for stages 0-2:
 - ``lp_grads``: the gradient buffers (stages 0/1: the flat buffer ``.grad`` are views of; every stage:
   the fp32 gradient partitions);
 - ``contiguous_grad_buffer``: stage 2's bucket buffers — freed, not copied (they hold nothing between
-  steps) and allocated again at the next backward.
+  steps) and allocated again at the next backward; stage 3 keeps none between steps.
+At stage 3, ``lp_params`` are this rank's pieces: every gathered parameter (persistent ones too) is
+released first, and ``reload_states`` gathers the persistent ones again.
 Tensors keep their identity (their ``.data`` is moved), so optimizer state keys and user references
 stay valid. On a CPU-only machine the compute device is the CPU: the engine still records the
 placement, and ``memory_breakdown()`` reports the offloaded kinds under the host tier. ``step()`` or a
@@ -56,7 +58,7 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
     for g in opt.flat_groups:
         aliased = g.master.data_ptr() == g.flat[g.lo:g.hi].data_ptr()
         if kind == OffloadStateTypeEnum.lp_params:
-            out.append(g.flat)
+            out.append(g.flat)  # stage 3: the pieces, which are views of it
         elif kind == OffloadStateTypeEnum.hp_params and not aliased:
             out.append(g.master)
         elif kind == OffloadStateTypeEnum.lp_grads:
@@ -65,7 +67,9 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
             if g.lp_grad is None or g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
                 out.append(g.grad)
     if kind == OffloadStateTypeEnum.lp_params:
-        out += [p for p in engine.module.parameters() if not p.requires_grad]
+        for p in engine.module.parameters():
+            if not p.requires_grad:  # frozen: the parameter itself, or at stage 3 its piece
+                out.append(p.ds_tensor if hasattr(p, "ds_tensor") else p)
     if kind == OffloadStateTypeEnum.optim_states:
         for state in opt.optimizer.state.values():
             out += [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
@@ -73,10 +77,15 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
 
 
 def _repoint(engine) -> None:
-    """Views follow their bases: parameters, fp32 masters of fp32 models, gradients of stages 0/1."""
+    """Views follow their bases: parameters (stage 3: pieces), fp32 masters of fp32 models, gradients of
+    stages 0/1."""
     for g in engine.optimizer.flat_groups:
-        for p, off, n in zip(g.params, g.offsets, g.numels):
-            p.data = g.flat[off:off + n].view(p.shape)
+        if hasattr(g, "zparams"):  # stage 3: each piece is a view of the sub-group's buffer
+            for zp, off, s in zip(g.zparams, g.offsets, g.shards):
+                zp.shard.data = g.flat[off:off + s]
+        else:
+            for p, off, n in zip(g.params, g.offsets, g.numels):
+                p.data = g.flat[off:off + n].view(p.shape)
         if g.master.dtype == g.flat.dtype:  # fp32: the master is the parameters' partition
             g.master.data = g.flat[g.lo:g.hi]
         if g.lp_grad is not None:
@@ -88,11 +97,11 @@ def _repoint(engine) -> None:
 
 def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDeviceEnum.cpu, pin_memory: bool = True,
                    non_blocking: bool = False) -> None:
-    if engine.config.zero_optimization.stage == 3:
-        raise NotImplementedError("offload_states: ZeRO stage 3 is not supported by zero_ext yet (stages 0-2 are)")
     if OffloadDeviceEnum(device) != OffloadDeviceEnum.cpu:
         raise ValueError(f"offload_states: device {device!r} is not supported; states offload to 'cpu'")
     kinds = [OffloadStateTypeEnum(k) for k in include] if include is not None else list(OffloadStateTypeEnum)
+    if engine.zero_model is not None and OffloadStateTypeEnum.lp_params in kinds:
+        engine.zero_model.release_all(include_persistent=True)  # stage 3: only pieces remain to move
     for kind in kinds:
         if kind in engine._offloaded:
             continue
@@ -109,12 +118,15 @@ def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDev
 
 
 def reload_states(engine, non_blocking: bool = False) -> None:
+    had_params = OffloadStateTypeEnum.lp_params in engine._offloaded
     for kind in list(engine._offloaded):
         if kind != OffloadStateTypeEnum.contiguous_grad_buffer:
             for t in _kind_tensors(engine, kind):
                 _move(t, engine.device, False, non_blocking)
         engine._offloaded.discard(kind)
     _repoint(engine)
+    if had_params and engine.zero_model is not None:
+        engine.zero_model.refresh_persistent()  # stage 3: persistent parameters whole again
 
 
 def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
