@@ -100,6 +100,39 @@ class BoundaryReducer:
         return []
 
 
+class StreamingReducer:
+    """What the reducers that work during backward (stage 2's, stage 3's) share: waiting for their
+    asynchronous reductions, the unused-parameter check, clearing partitions, hook removal.
+    Subclasses define flush(), _complete(entry) and keep ``pending``, ``buffers``, ``handles``."""
+
+    def wait_all(self) -> None:
+        while self.pending:
+            self._complete(self.pending[0])
+
+    def reduce(self, world: int) -> None:
+        """Gradients were reduced during backward; only pending work remains."""
+        self.flush()
+        self.wait_all()
+
+    def check_unused(self, unused: List[str]) -> None:
+        if unused and not self.ignore_unused:
+            raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
+                               f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
+                               "allow parameters unused in a step.")
+
+    def after_step(self) -> None:
+        for g in self.groups:
+            g.grad.zero_()
+
+    def tensors(self):
+        return [("comm_buffers", b) for b in self.buffers]
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 class _Bucket:
     """Parameters whose gradients wait in one bucket: (group index, param index) in ready order."""
 
@@ -108,7 +141,7 @@ class _Bucket:
         self.numel = 0
 
 
-class BucketReducer:
+class BucketReducer(StreamingReducer):
     """Stage 2: reduce gradients to their owners during backward (see the module docstring)."""
 
     def __init__(self, groups: List[FlatGroup], bucket_size: int, overlap: bool, contiguous: bool, rank: int,
@@ -159,14 +192,10 @@ class BucketReducer:
         self.flush()
         self.wait_all()
         self.callback_queued = False
-        unused = [(gi, i) for gi, g in enumerate(self.groups) for i in range(len(g.params))
+        unused = [f"group {gi}, parameter {i}" for gi, g in enumerate(self.groups) for i in range(len(g.params))
                   if (gi, i) not in self.seen]
         self.seen = set()
-        if unused and not self.ignore_unused:
-            raise RuntimeError(
-                f"{len(unused)} trainable parameter(s) received no gradient in this backward pass (first: "
-                f"group {unused[0][0]}, parameter {unused[0][1]}). Set zero_optimization."
-                "ignore_unused_parameters to true to allow parameters unused in a step.")
+        self.check_unused(unused)
 
     def _buffer(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(the buffer, its first numel elements) for the next bucket."""
@@ -231,25 +260,3 @@ class BucketReducer:
             pos += length
         self.pending = [e for e in self.pending if e is not entry]
 
-    def wait_all(self) -> None:
-        while self.pending:
-            self._complete(self.pending[0])
-
-    # -- step ---------------------------------------------------------------------------------------
-
-    def reduce(self, world: int) -> None:
-        """Gradients were reduced during backward; only pending work remains."""
-        self.flush()
-        self.wait_all()
-
-    def after_step(self) -> None:
-        for g in self.groups:
-            g.grad.zero_()
-
-    def tensors(self):
-        return [("comm_buffers", b) for b in self.buffers]
-
-    def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import planner
-from .grad_reduce import Averaging, accumulate
+from .grad_reduce import Averaging, StreamingReducer, accumulate
 from .planner import Piece
 
 
@@ -68,10 +68,6 @@ class ShardGroup:
             return None
         return Piece(i, self.rank, self.rank * self.shards[i], self.offsets[i], -1, valid)
 
-    def write_lp(self, i: int, value_piece: torch.Tensor, part_offset: int) -> None:
-        """Writes the model's copy of a piece (and of the full value, if it is gathered)."""
-        self.flat[part_offset:part_offset + value_piece.numel()].copy_(value_piece)
-
     def copy_master_to_params(self) -> None:
         if self.master.data_ptr() != self.flat.data_ptr():
             self.flat.copy_(self.master)
@@ -88,7 +84,7 @@ class ShardGroup:
         self._hooks = []
 
 
-class ShardReducer:
+class ShardReducer(StreamingReducer):
     """Reduce-scatters full gradients into this rank's pieces during backward (see the module docstring)."""
 
     MAX_IN_FLIGHT = 2
@@ -169,10 +165,6 @@ class ShardReducer:
         self.pending = [e for e in self.pending if e is not entry]
         self.buffers = [b for b in self.buffers if b is not block]
 
-    def wait_all(self) -> None:
-        while self.pending:
-            self._complete(self.pending[0])
-
     def finish_backward(self) -> None:
         # Leaf modules (zero/leaf.py) run their children in a data-dependent order, so their parameters'
         # gradients arrive in a different order, or not at all, on each rank: they are reduced here, in
@@ -185,26 +177,10 @@ class ShardReducer:
         self.wait_all()
         unused = [zp.name for g in self.groups for zp in g.zparams if id(zp) not in self.seen]
         self.seen = set()
-        if unused and not self.ignore_unused:
-            raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
-                               f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
-                               "allow parameters unused in a step.")
-
-    def reduce(self, world: int) -> None:
-        self.flush()
-        self.wait_all()
-
-    def after_step(self) -> None:
-        for g in self.groups:
-            g.grad.zero_()
-
-    def tensors(self):
-        return [("comm_buffers", b) for b in self.buffers]
+        self.check_unused(unused)
 
     def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        super().remove_hooks()
         for g in self.groups:
             g.remove_hooks()
 
