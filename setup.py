@@ -1,6 +1,7 @@
 """Build of zero_ext: the C core `zero_ext._C` always, the CUDA library `libzx_cuda.so` where it can.
 
-`zero_ext._C` is plain C11 from csrc/ (no torch headers, so no torch is needed to build it).
+`zero_ext._C` is plain C11 from csrc/ and its bindings in csrc/python/ (no torch headers, so no torch is
+needed to build it).
 `zero_ext/libzx_cuda.so` holds kernels/*.cu and csrc/comm_nccl.c; Python loads it with ctypes only
 when CUDA tensors are used. ZERO_EXT_CUDA=0|1|auto (default auto) says whether to build it: auto builds
 it where nvcc and NCCL are found, 1 fails with a message naming what is missing, 0 skips it.
@@ -17,7 +18,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CUDA_SOURCES = ["csrc/comm_nccl.c"] + sorted(glob.glob("kernels/*.cu"))
-C_SOURCES = sorted(set(glob.glob("csrc/*.c")) - set(CUDA_SOURCES))
+# csrc/*.c: the C core (no Python); csrc/python/*.c: its bindings, the only code with Python.h
+C_SOURCES = sorted(set(glob.glob("csrc/*.c")) - set(CUDA_SOURCES)) + sorted(glob.glob("csrc/python/*.c"))
 C_FLAGS = ["-std=c11", "-O3", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fvisibility=hidden"]
 
 
@@ -129,7 +131,7 @@ def uring_options():
 def extensions():
     # depends: headers hold inline kernels (cpu_optim.h), so a changed header rebuilds the module
     exts = [Extension("zero_ext._C", sources=C_SOURCES, include_dirs=["csrc"], extra_compile_args=C_FLAGS,
-                      depends=sorted(glob.glob("csrc/*.h")), **uring_options())]
+                      depends=sorted(glob.glob("csrc/*.h") + glob.glob("csrc/python/*.h")), **uring_options())]
     cuda = cuda_wanted()
     if cuda:
         lib = CudaLibrary("zero_ext.libzx_cuda", sources=CUDA_SOURCES)

@@ -40,7 +40,7 @@ fi
 
 # zero_ext itself: rebuilt when its sources changed or the installed copy is another checkout's.
 stamp=.deps-stamp
-digest=$(cat setup.py pyproject.toml csrc/* kernels/* 2>/dev/null | sha256sum | cut -d' ' -f1)
+digest=$(find setup.py pyproject.toml csrc kernels -type f | sort | xargs cat | sha256sum | cut -d' ' -f1)
 here=$(pwd -P)
 installed=$(cd / && "$PY" -c 'import os, zero_ext._C, zero_ext; print(os.path.dirname(os.path.realpath(zero_ext.__file__)))' 2>/dev/null || true)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ] || [ "$installed" != "$here/zero_ext" ]; then

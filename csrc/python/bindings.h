@@ -1,0 +1,24 @@
+/* bindings.h - what the binding files of zero_ext._C share (csrc/python/: the only code that includes
+ * Python.h; the C core in csrc/ knows nothing of Python). */
+#ifndef ZX_BINDINGS_H
+#define ZX_BINDINGS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+/* Raises for a negative C status (-errno) and returns NULL: `return zx_raise(rc, "what")`. */
+PyObject *zx_raise(int64_t status, const char *what);
+/* A Python sequence of ints as a fresh int64 array (free with PyMem_Free); *n receives its length. */
+int64_t *int64_array(PyObject *seq, Py_ssize_t *n, const char *name);
+PyObject *int64_list(const int64_t *v, int64_t n);
+
+/* Each unit's functions (sentinel-terminated), added to the module at exec. */
+extern PyMethodDef zx_planner_methods[]; /* bind_planner.c: partition planner, SIMD level */
+extern PyMethodDef zx_optim_methods[];   /* bind_optim.c: CPU optimizers, bandwidth floor */
+extern PyMethodDef zx_aio_methods[];     /* bind_aio.c: io_uring probe */
+/* bind_aio.c: adds the AioHandle type. */
+int zx_aio_exec(PyObject *module);
+
+#endif /* ZX_BINDINGS_H */
