@@ -13,12 +13,9 @@ Z3 = {"stage": 3}
 #: For each table entry: a valid config that sets the key to a refused value, and that value.
 CASES = {
     "zero_optimization.offload_param.device": (
-        {"zero_optimization": {**Z3, "offload_param": {"device": "cpu"}}}, "cpu"),
+        {"zero_optimization": {**Z3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
     "zero_optimization.offload_optimizer.device": (
-        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "cpu"),
-    "zero_optimization.offload_optimizer.ratio": (
-        {"zero_optimization": {**Z3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-        0.5),
+        {"zero_optimization": {**Z3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
     "zero_optimization.offload_optimizer.super_offload": (
         {"zero_optimization": {**Z3, "offload_optimizer": {"device": "cpu",
                                                            "super_offload": True}}}, True),

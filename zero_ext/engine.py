@@ -20,6 +20,7 @@ from .flat_group import FlatGroup
 from .grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .loss_scaler import scaler_from_config
 from .memory import MemoryAccount
+from .offload import OffloadPlan
 from .zero_optimizer import ZeroOptimizer
 
 logger = logging.getLogger("zero_ext.engine")
@@ -49,6 +50,7 @@ class ZeroEngine(torch.nn.Module):
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload_states.py)
         self._no_sync = False
+        self.offload = OffloadPlan(config.zero_optimization)  # ZeRO-Offload placement (offload.py)
         self.training_dataloader = training_dataloader
         self.optimizer = None  # a forward-only engine has none (initialize without an optimizer)
         if base_optimizer is not None:
@@ -63,6 +65,7 @@ class ZeroEngine(torch.nn.Module):
         stage = zc.stage
         if stage == 3:
             return self._build_stage3_optimizer(base)
+        host = self.offload.host if self.offload.optimizer else None
         groups: List[Optional[FlatGroup]] = []
         for group in base.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
@@ -71,7 +74,7 @@ class ZeroEngine(torch.nn.Module):
                 group["params"] = []
                 continue
             g = FlatGroup(trainable, self.world_size, self.global_rank, partitioned=stage >= 1,
-                          keep_lp_grads=stage < 2, device=self.device)
+                          keep_lp_grads=stage < 2, device=self.device, host=host)
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
@@ -95,7 +98,8 @@ class ZeroEngine(torch.nn.Module):
         from .stage3 import ShardReducer, build_shard_groups
 
         cfg, zc = self._config, self._config.zero_optimization
-        _, groups = build_shard_groups(base, self.zero_model, zc.sub_group_size, self.global_rank, self.world_size)
+        _, groups = build_shard_groups(base, self.zero_model, zc.sub_group_size, self.global_rank, self.world_size,
+                                       plan=self.offload)
         reducer = ShardReducer(groups, self.zero_model, zc.reduce_bucket_size, zc.overlap_comm,
                                self._averaging(groups[0].dtype), self.global_rank, self.world_size,
                                zc.ignore_unused_parameters)
@@ -287,7 +291,7 @@ class ZeroEngine(torch.nn.Module):
         """
         from .offload_states import offloaded_tensors
 
-        account = MemoryAccount(self.device, host=offloaded_tensors(self))
+        account = MemoryAccount(self.device, host=offloaded_tensors(self) + self._host_placed())
         for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
             account.add(kind, tensor)
         for p in self.module.parameters():
@@ -300,6 +304,15 @@ class ZeroEngine(torch.nn.Module):
         for b in self.module.buffers():
             account.add("buffers", b)
         return account.table()
+
+    def _host_placed(self) -> List[torch.Tensor]:
+        """Tensors the offload config keeps in host memory: the offloaded optimizer's masters, gradient
+        partitions and state; with offload_param the parameter pieces."""
+        out = self.optimizer.host_tensors() if self.optimizer is not None else []
+        if self.offload.params:
+            out += [p.ds_tensor for p in self.module.parameters() if getattr(p, "ds_tensor", None) is not None]
+            out += [g.flat for g in (self.optimizer.flat_groups if self.optimizer is not None else [])]
+        return out
 
     # -- checkpoints (checkpoint.py) -------------------------------------------------------------------
 

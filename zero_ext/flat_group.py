@@ -8,21 +8,24 @@
   When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
   the parameters directly, and fp32 training holds no second copy of its partition.
 - ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
+- With optimizer offload (``host``, offload.py) ``master`` and ``grad`` are host-memory tensors of their
+  own — never views of ``flat`` — and the step writes the new values back into ``flat``.
 - ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
   parameters' ``.grad``, so autograd accumulates straight into it and the reduction at the
   accumulation boundary works on one contiguous tensor.
 Stage 0 replicates: every rank "owns" the whole buffer (``lo, hi = 0, padded``).
 """
-from typing import List
+from typing import List, Optional
 
 import torch
 
 from . import planner
+from .offload import HostMemory
 
 
 class FlatGroup:
     def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int, partitioned: bool,
-                 keep_lp_grads: bool, device: torch.device):
+                 keep_lp_grads: bool, device: torch.device, host: Optional[HostMemory] = None):
         self.params = params
         self.numels = [p.numel() for p in params]
         self.world, self.rank, self.partitioned = world, rank, partitioned
@@ -40,17 +43,24 @@ class FlatGroup:
             self.flat[off:off + n].copy_(p.data.reshape(-1))
             p.data = self.flat[off:off + n].view(p.shape)
         fp32 = self.dtype == torch.float32
-        self.master = self.flat[self.lo:self.hi] if fp32 else self.flat[self.lo:self.hi].float()
+        self.offloaded = host is not None
+        if self.offloaded:
+            self.master = host.copy_of(self.flat[self.lo:self.hi])
+        else:
+            self.master = self.flat[self.lo:self.hi] if fp32 else self.flat[self.lo:self.hi].float()
         self.lp_grad = None
         if keep_lp_grads:
             self.lp_grad = torch.zeros(self.padded, dtype=self.dtype, device=device)
             self.attach_lp_grads()
         # fp32 models reduce straight into their own gradient buffer's partition: no second copy
-        if keep_lp_grads and fp32:
+        if self.offloaded:
+            self.grad = host.zeros(self.part)
+        elif keep_lp_grads and fp32:
             self.grad = self.lp_grad[self.lo:self.hi]
         else:
             self.grad = torch.zeros(self.part, dtype=torch.float32, device=device)
         self.master.grad = self.grad
+        self.host = host
 
     def attach_lp_grads(self) -> None:
         """Points every parameter's ``.grad`` at its slice of ``lp_grad`` (autograd adds in place)."""

@@ -34,7 +34,11 @@ class Averaging:
 
 
 def accumulate(dst: torch.Tensor, src: torch.Tensor, post: float) -> None:
-    """dst += src * post: a reduced bucket's run into an fp32 gradient partition (no multiply for 1)."""
+    """dst += src * post: a reduced bucket's run into an fp32 gradient partition (no multiply for 1).
+    With optimizer offload dst is in host memory: the run is copied over first (asynchronously from
+    a CUDA device; the step's norm reads it after a synchronising .item())."""
+    if dst.device != src.device:
+        src = src.to(dst.device, non_blocking=True)
     if post != 1.0:
         dst.add_(src.float(), alpha=post)
     else:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from . import comm
 from .config import ConfigError, load_config, reject_unimplemented
 from .engine import ZeroEngine
+from .offload import OffloadPlan, build_offload_optimizer, check_client_optimizer, is_cpu_optimizer
 from .optimizers import build_optimizer
 from .schedulers import configure_lr_scheduler
 
@@ -75,10 +76,13 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
             _broadcast_from_rank0(model)
 
     groups = _param_groups(model, model_parameters)
+    offload = OffloadPlan(cfg.zero_optimization)
     if inference:
         base = None
     elif optimizer is None:
-        base = build_optimizer(cfg.optimizer, groups)
+        # with optimizer offload the engine builds the C optimizer itself (DeepSpeed's rule)
+        base = (build_offload_optimizer(cfg.optimizer, groups) if offload.optimizer else None) \
+            or build_optimizer(cfg.optimizer, groups)
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         _check_client_optimizer(model, base)
@@ -92,6 +96,10 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
                         f"{type(optimizer).__name__}")
     if base is not None:
         _check_zero_optimizer(base, cfg)
+        if offload.optimizer and optimizer is not None:
+            check_client_optimizer(base, cfg.zero_force_ds_cpu_optimizer)
+        if offload.optimizer and offload.ratio < 1.0 and is_cpu_optimizer(base):
+            base.device_params = True  # the sub-groups kept on the accelerator step with torch operations
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = ZeroEngine(model, cfg, base, training_dataloader=loader, device=device, zero_model=zero_model)
     # a client scheduler (object, or callable taking the optimizer) wins over the config's section
@@ -134,8 +142,11 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
     # costs one small all-gather per fetch: ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
+    # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
+    plan = OffloadPlan(zc)
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
-                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check)
+                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
+                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin)
 
 
 def _check_grad_accum_dtype(cfg) -> None:

@@ -30,7 +30,7 @@ class ShardGroup:
     partitioned = True
     lp_grad = None
 
-    def __init__(self, zparams, rank: int, world: int):
+    def __init__(self, zparams, rank: int, world: int, host=None):
         self.zparams = zparams
         self.params = [zp.param for zp in zparams]
         self.numels = [zp.numel for zp in zparams]
@@ -48,8 +48,15 @@ class ShardGroup:
         for zp, off, s in zip(zparams, self.offsets, self.shards):
             zp.replace_shard(self.flat[off:off + s])
         fp32 = self.dtype == torch.float32
-        self.master = self.flat if fp32 else self.flat.float()
-        self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+        # with optimizer offload (offload.py) the master and gradient partition are host tensors of their own
+        self.offloaded = host is not None
+        self.host = host
+        if self.offloaded:
+            self.master = host.copy_of(self.flat)
+            self.grad = host.zeros(total)
+        else:
+            self.master = self.flat if fp32 else self.flat.float()
+            self.grad = torch.zeros(total, dtype=torch.float32, device=device)
         self.master.grad = self.grad
         self._hooks = [zp.register_update_hook(self._piece_overwritten) for zp in zparams]
 
@@ -192,9 +199,11 @@ def _full_grad(zp) -> torch.Tensor:
     return zp.param.grad.reshape(-1)
 
 
-def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int):
+def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int,
+                       plan=None):
     """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
-    (groups per base group — lists of ShardGroup —, all ShardGroups in order)."""
+    (groups per base group — lists of ShardGroup —, all ShardGroups in order). ``plan`` (an
+    OffloadPlan) says which sub-groups keep their master and gradients in host memory."""
     per_group, flat = [], []
     for group in base.param_groups:
         zps = [getattr(p, "_zero_owner", None) for p in group["params"] if p.requires_grad]
@@ -208,9 +217,9 @@ def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: 
             per_group.append([])
             continue
         ids = planner.sub_groups([z.numel for z in zps], world, sub_group_size)
-        subs = []
-        for k in range(max(ids) + 1):
-            subs.append(ShardGroup([z for z, s in zip(zps, ids) if s == k], rank, world))
+        members = [[z for z, s in zip(zps, ids) if s == k] for k in range(max(ids) + 1)]
+        on_host = plan.host_subgroups([sum(z.numel for z in m) for m in members]) if plan else [False] * len(members)
+        subs = [ShardGroup(m, rank, world, host=plan.host if h else None) for m, h in zip(members, on_host)]
         group["params"] = [s.master for s in subs]
         per_group.append(subs)
         flat += subs

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from . import planner
 from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
+from .offload import is_cpu_optimizer
 
 
 _INTO_TENSOR = [True]  # whether this torch's backend has all_gather_into_tensor
@@ -136,12 +137,15 @@ class ZeroOptimizer:
             coef = self.clip / (norm + 1e-6)
             if coef < 1.0:
                 combined *= coef
-        if combined != 1.0:
+        if self._fused():
+            self._fused_step(combined)
+        else:
+            if combined != 1.0:
+                for g in self.flat_groups:
+                    g.grad.mul_(combined)
+            self.optimizer.step()
             for g in self.flat_groups:
-                g.grad.mul_(combined)
-        self.optimizer.step()
-        for g in self.flat_groups:
-            g.copy_master_to_params()
+                g.copy_master_to_params()
         if self.stage in (1, 2) and self.world > 1:
             self.all_gather_params()  # (stage 3 needs none: modules gather the new pieces when they run)
         self._end_of_step()
@@ -149,6 +153,33 @@ class ZeroOptimizer:
             hook()
         self.loss_scaler.update(False)
         return True
+
+    def _fused(self) -> bool:
+        """Whether the C optimizer steps every master in host memory (ZeRO-Offload, or a CPU run)."""
+        return is_cpu_optimizer(self.optimizer) and all(g.master.is_cpu for g in self.flat_groups)
+
+    def _fused_step(self, combined: float) -> None:
+        """The offloaded step in one pass over memory (csrc/cpu_adam.c): the gradients are unscaled and
+        clipped as they are loaded, the masters updated, and the model's 16-bit copy written in the same
+        pass — straight into the parameters when they are in host memory, else into a staging buffer
+        that is then copied to the device."""
+        by_master = {id(g.master): g for g in self.flat_groups}
+        targets = {id(g): _lp_target(g) for g in self.flat_groups}
+        outs = [[targets[id(by_master[id(m)])] for m in pg["params"]] for pg in self.optimizer.param_groups]
+        self.optimizer.step(fp16_param_groups=outs, grad_scale=combined)
+        for g in self.flat_groups:
+            _lp_upload(g, targets[id(g)])
+
+    def host_tensors(self) -> List[torch.Tensor]:
+        """What this optimizer placed in host memory (ZeRO-Offload), for the memory account's tiers."""
+        out = []
+        for g in self.flat_groups:
+            if getattr(g, "offloaded", False):
+                out += [g.master, g.grad]
+                out += [t for t in self.optimizer.state.get(g.master, {}).values() if torch.is_tensor(t)]
+                if getattr(g, "staging", None) is not None:
+                    out.append(g.staging)
+        return out
 
     def all_gather_params(self) -> None:
         """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""
@@ -171,7 +202,36 @@ class ZeroOptimizer:
     def tensors(self):
         """(kind, tensor) of everything this optimizer holds, for memory accounting."""
         out = [kt for g in self.flat_groups for kt in g.tensors()]
+        out += [("comm_buffers", g.staging) for g in self.flat_groups if getattr(g, "staging", None) is not None]
         out += self.reducer.tensors()
         for state in self.optimizer.state.values():
             out += [("optimizer_state", t) for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
         return out
+
+
+def _aliased(g) -> bool:
+    """Whether the group's master *is* its partition of the parameters (an fp32 model, no offload)."""
+    return g.master.data_ptr() == g.flat[g.lo:g.hi].data_ptr() and g.master.dtype == g.flat.dtype
+
+
+def _lp_target(g) -> Optional[torch.Tensor]:
+    """Where the fused step writes the group's new 16-bit values: None for an fp32 model (the master is
+    copied, or is the parameters), the parameters' own partition in host memory, else a host staging
+    buffer (pinned with pin_memory), made once."""
+    if _aliased(g) or g.dtype == torch.float32:
+        return None
+    if g.flat.is_cpu:
+        return g.flat[g.lo:g.hi]
+    if getattr(g, "staging", None) is None:
+        g.staging = torch.empty(g.hi - g.lo, dtype=g.dtype, pin_memory=bool(g.host and g.host.pin))
+    return g.staging
+
+
+def _lp_upload(g, target: Optional[torch.Tensor]) -> None:
+    """After the fused step: the new values into the parameters (device copy from host memory)."""
+    if _aliased(g):
+        return
+    if target is None:
+        g.copy_master_to_params()
+    elif target.data_ptr() != g.flat[g.lo:g.hi].data_ptr():
+        g.flat[g.lo:g.hi].copy_(target, non_blocking=True)

@@ -24,9 +24,10 @@ Entry = Union[str, Dict[str, Any]]
 
 UNIMPLEMENTED: Dict[str, Entry] = {
     # -- ZeRO stage 3 and its relatives --------------------------------------------------------
-    "zero_optimization.offload_param.device": "parameter offload to CPU/NVMe (ZeRO-Infinity)",
-    "zero_optimization.offload_optimizer.device": "optimizer offload to CPU/NVMe (ZeRO-Offload)",
-    "zero_optimization.offload_optimizer.ratio": "partial optimizer offload (ratio < 1)",
+    "zero_optimization.offload_param.device": {"reason": "parameter offload to NVMe (ZeRO-Infinity)",
+                                               "values": ["nvme"]},
+    "zero_optimization.offload_optimizer.device": {"reason": "optimizer offload to NVMe (ZeRO-Infinity)",
+                                                   "values": ["nvme"]},
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.offload_optimizer.pipeline_read": "pipelined NVMe optimizer reads",
     "zero_optimization.offload_optimizer.pipeline_write": "pipelined NVMe optimizer writes",

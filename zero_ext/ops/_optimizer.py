@@ -124,9 +124,16 @@ class CPUOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults, fp32_optimizer_states=True):
         super().__init__(params, defaults)
         self.fp32_optimizer_states = fp32_optimizer_states
+        # the ZeRO engine sets this for offload_optimizer.ratio < 1: parameters on an accelerator are
+        # then stepped with torch operations (device_math.py) instead of being refused
+        self.device_params = False
 
     def _kernel(self, group, step, batch, grad_scale):
         raise NotImplementedError
+
+    def _device_update(self, group, step, p, grad, state, grad_scale):
+        """One parameter on an accelerator, with torch operations (see device_math.py)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot step parameters on {p.device}")
 
     def _init_state(self, p, state):
         state["step"] = 0
@@ -176,15 +183,20 @@ class CPUOptimizer(torch.optim.Optimizer):
             if group_outs is not None and len(group_outs) != len(group["params"]):
                 raise ValueError(f"fp16_param_groups[{gi}] has {len(group_outs)} tensors for "
                                  f"{len(group['params'])} parameters")
+            on_device = []
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
-                self._check_device(p)
+                if not (self.device_params and not p.is_cpu):
+                    self._check_device(p)
                 state = self.state[p]
                 if len(state) == 0:
                     self._init_state(p, state)
                 step = _step_int(state["step"]) + 1
                 state["step"] = step
+                if not p.is_cpu:
+                    on_device.append((p, state, step, group_outs[pi] if group_outs is not None else None))
+                    continue
                 batch = batches.get(step)
                 if batch is None:
                     batch = batches[step] = _Batch(self.state_keys)
@@ -192,6 +204,10 @@ class CPUOptimizer(torch.optim.Optimizer):
             for step, batch in batches.items():
                 self._kernel(group, step, batch, float(grad_scale))
                 batch.finish()
+            for p, state, step, out in on_device:
+                self._device_update(group, step, p, p.grad, state, float(grad_scale))
+                if out is not None:
+                    out.copy_(p.detach().reshape(out.shape))
         return loss
 
     def load_state_dict(self, state_dict):

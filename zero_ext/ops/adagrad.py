@@ -5,6 +5,7 @@ torch.optim.Adagrad's "sum"). Results are torch.optim.Adagrad's with lr_decay=0 
 initial_accumulator_value=0, up to torch's own sqrt rounding. Sparse gradients are not supported.
 """
 from .. import _C
+from . import device_math
 from ._optimizer import CPUOptimizer, _validate
 
 
@@ -23,6 +24,10 @@ class CPUAdagrad(CPUOptimizer):
         _C.adagrad_step(batch.params, batch.grads, batch.states["exp_avg_sq"], batch.outs_arg(), batch.numels,
                         batch.out_code(), float(group["lr"]), float(group["eps"]), float(group["weight_decay"]),
                         grad_scale)
+
+    def _device_update(self, group, step, p, grad, state, grad_scale):
+        device_math.adagrad_(p.data, grad, state["exp_avg_sq"], lr=float(group["lr"]), eps=float(group["eps"]),
+                             weight_decay=float(group["weight_decay"]), grad_scale=grad_scale)
 
 
 DeepSpeedCPUAdagrad = CPUAdagrad

@@ -7,6 +7,7 @@ call with the GIL released, and can unscale/clip gradients and write bf16/fp16 c
 parameters in the same pass (step(grad_scale=..., fp16_param_groups=...)).
 """
 from .. import _C
+from . import device_math
 from ._optimizer import CPUOptimizer, _validate
 
 
@@ -48,6 +49,13 @@ class CPUAdam(CPUOptimizer):
                      float(beta2), float(group["eps"]), float(group["weight_decay"]), step,
                      bool(group.get("bias_correction", True)), bool(group.get("adamw_mode", self.adam_w_mode)),
                      grad_scale)
+
+    def _device_update(self, group, step, p, grad, state, grad_scale):
+        beta1, beta2 = group["betas"]
+        device_math.adam_(p.data, grad, state["exp_avg"], state["exp_avg_sq"], lr=float(group["lr"]), beta1=beta1,
+                          beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=step,
+                          bias_correction=bool(group.get("bias_correction", True)),
+                          adamw_mode=bool(group.get("adamw_mode", self.adam_w_mode)), grad_scale=grad_scale)
 
 
 DeepSpeedCPUAdam = CPUAdam

@@ -6,6 +6,7 @@ CPU kernel differs only where the interpolation is exactly 0 (it moves such a pa
 NaN, and it also allocates an unused "exp_avg_sq", which this class does not.
 """
 from .. import _C
+from . import device_math
 from ._optimizer import CPUOptimizer, _validate
 
 
@@ -24,6 +25,11 @@ class CPULion(CPUOptimizer):
         _C.lion_step(batch.params, batch.grads, batch.states["exp_avg"], batch.outs_arg(), batch.numels,
                      batch.out_code(), float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]),
                      grad_scale)
+
+    def _device_update(self, group, step, p, grad, state, grad_scale):
+        beta1, beta2 = group["betas"]
+        device_math.lion_(p.data, grad, state["exp_avg"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                          weight_decay=float(group["weight_decay"]), grad_scale=grad_scale)
 
 
 DeepSpeedCPULion = CPULion
