@@ -86,11 +86,12 @@ def _repoint(engine) -> None:
         else:
             for p, off, n in zip(g.params, g.offsets, g.numels):
                 p.data = g.flat[off:off + n].view(p.shape)
-        if g.master.dtype == g.flat.dtype:  # fp32: the master is the parameters' partition
+        own = getattr(g, "offloaded", False)  # ZeRO-Offload: master and fp32 gradients are tensors of their own
+        if g.master.dtype == g.flat.dtype and not own:  # fp32: the master is the parameters' partition
             g.master.data = g.flat[g.lo:g.hi]
         if g.lp_grad is not None:
             g.attach_lp_grads()
-            if g.grad.dtype == g.lp_grad.dtype:
+            if g.grad.dtype == g.lp_grad.dtype and not own:
                 g.grad.data = g.lp_grad[g.lo:g.hi]
         g.master.grad = g.grad
 
@@ -119,10 +120,12 @@ def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDev
 
 def reload_states(engine, non_blocking: bool = False) -> None:
     had_params = OffloadStateTypeEnum.lp_params in engine._offloaded
+    home_is_host = {id(t) for t in engine._host_placed()}  # ZeRO-Offload's own tensors stay in host memory
     for kind in list(engine._offloaded):
         if kind != OffloadStateTypeEnum.contiguous_grad_buffer:
             for t in _kind_tensors(engine, kind):
-                _move(t, engine.device, False, non_blocking)
+                if id(t) not in home_is_host:
+                    _move(t, engine.device, False, non_blocking)
         engine._offloaded.discard(kind)
     _repoint(engine)
     if had_params and engine.zero_model is not None:
