@@ -98,6 +98,14 @@ def _views(buffer: torch.Tensor, layout) -> List[torch.Tensor]:
     return [buffer[off:off + n].view(dtype).view(shape) for off, shape, dtype, n in layout]
 
 
+def _zero_gaps(buffer: torch.Tensor, layout) -> None:
+    """Zeroes the padding between tensors before a group's first write, so a file holds only its
+    group's bytes (not what a reused buffer held) and is the same whichever path wrote it. Reads
+    fill the gaps from the file, so they stay zero."""
+    for (off, _, _, n), nxt in zip(layout, layout[1:]):
+        buffer[off + n:nxt[0]].zero_()
+
+
 class NVMeStateStore:
     """Groups of CPU tensors kept in swap files under ``nvme_path``, swapped in through a pool of
     ``buffer_count`` host buffers, each as large as the largest group.
@@ -180,6 +188,7 @@ class NVMeStateStore:
                                  "keeps CPU tensors (copy it to the CPU first)")
         group = self._new_group(key, tensors, [(t.shape, t.dtype) for t in tensors])
         views = _views(group.buffer.data, group.layout)
+        _zero_gaps(group.buffer.data, group.layout)
         with torch.no_grad():
             for view, t in zip(views, tensors):
                 view.copy_(t)
@@ -199,6 +208,7 @@ class NVMeStateStore:
         tensors = [torch.empty(0, dtype=dtype) for _ in shapes]
         group = self._new_group(key, tensors, [(s, dtype) for s in shapes])
         views = _views(group.buffer.data, group.layout)
+        _zero_gaps(group.buffer.data, group.layout)
         with torch.no_grad():
             for view, lp in zip(views, lp_tensors):
                 flat_out, flat_in = view.view(-1), lp.detach().reshape(-1)
