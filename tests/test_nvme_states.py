@@ -286,6 +286,20 @@ def test_failed_write_back_makes_the_group_invalid(store):
         assert torch.equal(t, torch.full((5000,), 2.0))
 
 
+def test_failed_read_raises_and_never_serves_the_buffer(store):
+    for k in "abcd":  # four groups, three buffers: "a" is no longer in the pool
+        store.register(k, [torch.full((3000,), 1.0)])
+    path = os.path.join(store.swapper.dir.path, store._groups["a"].name)
+    os.truncate(path, 4096)
+    for _ in range(2):  # the second try must not take the buffer of the first for a clean copy
+        with pytest.raises(AioError, match="changed outside zero_ext"):
+            with store.resident("a"):
+                pass
+        assert store.state("a") == SwapState.ON_NVME
+    with store.resident("d") as (t,):
+        assert torch.equal(t, torch.full((3000,), 1.0))
+
+
 def _stream_over_rlimit(root, backend, pipeline_write):
     """In a child: "bad" (2 MiB) is registered, then RLIMIT_FSIZE drops to 1 MiB, so its write-back
     is accepted and then fails in the kernel (EFBIG) while "good" (small) keeps working."""

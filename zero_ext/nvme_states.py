@@ -331,9 +331,12 @@ class NVMeStateStore:
                            f"write failed ({err})", err.filename)
         if group.state != SwapState.ON_NVME:
             return
-        cached = self._take_buffer(group)
-        group.request = None if cached else \
-            self.swapper.swap_in(group.name, group.buffer.data[:group.nbytes])
+        if not self._take_buffer(group):
+            try:
+                group.request = self.swapper.swap_in(group.name, group.buffer.data[:group.nbytes])
+            except BaseException:
+                self._drop_buffer(group)  # else the buffer would pass for a clean copy
+                raise
         group.state = SwapState.SWAPPING_IN
 
     def _finish_read(self, group: _Group) -> None:
