@@ -88,7 +88,8 @@ def test_sizes_and_pool_is_allocated_once(store):
     groups = make_groups()
     for k, v in groups.items():
         store.register(k, v)
-    biggest = max(NVMeStateStore.group_nbytes([(t.shape, t.dtype) for t in v]) for v in make_groups().values())
+    biggest = max(NVMeStateStore.group_nbytes([(t.shape, t.dtype) for t in v])
+                  for v in make_groups().values())
     assert store.host_bytes() == 3 * -(-biggest // 4096) * 4096
     files = [os.path.join(store.swapper.dir.path, f) for f in os.listdir(store.swapper.dir.path)
              if f.endswith(".swp")]
@@ -237,7 +238,8 @@ def test_register_from_lp_equals_the_fp32_path_bit_for_bit(tmp_path, lp_dtype, m
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_full_drive_names_bytes_and_earlier_groups_survive(tmp_path, backend_name, mounts, monkeypatch):  # noqa: F811
+def test_full_drive_names_bytes_and_earlier_groups_survive(tmp_path, backend_name, mounts,  # noqa: F811
+                                                           monkeypatch):
     monkeypatch.setenv("ZERO_EXT_AIO", backend_name)
     target = mount(tmp_path, "tmpfs", "size=1m")
     mounts.append(target)
