@@ -47,6 +47,9 @@ def make_groups(seed=0):
     groups = {f"sub{i}": [torch.randn(n, generator=g) for _ in range(3)] for i, n in enumerate(sizes)}
     groups["mixed"] = [torch.randn(7, 13, generator=g), torch.randn(5, generator=g).to(torch.bfloat16),
                        torch.randint(-9, 9, (3,), generator=g, dtype=torch.int64), torch.empty(0)]
+    master = torch.nn.Parameter(torch.randn(9, generator=g))  # a master with its gradient set
+    master.grad = torch.randn(9, generator=g)
+    groups["param"] = [master]
     return groups
 
 
@@ -108,6 +111,7 @@ def test_sizes_and_pool_is_allocated_once(store):
 
 @pytest.mark.parametrize("pipeline_read", [False, True])
 @pytest.mark.parametrize("pipeline_write", [False, True])
+@torch.no_grad()  # as an optimizer step runs
 def test_stream_in_place_updates_match_memory_with_every_pipeline(store, pipeline_read, pipeline_write):
     groups = make_groups()
     expect = clone(groups)
