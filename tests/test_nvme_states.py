@@ -205,7 +205,8 @@ def test_unknown_keys_and_replaced_storage_are_errors(store):
     with pytest.raises(ValueError, match="given new storage"):
         with store.resident("a") as (t,):
             t.data = torch.zeros(10)
-    with pytest.raises(AioError, match="no valid data"):
+    with pytest.raises(AioError, match="'a' has no valid data on NVMe: tensor 0 was given new "
+                                       "storage while resident, so the update was not written back"):
         with store.resident("a"):
             pass
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -327,8 +328,9 @@ class NVMeStateStore:
             self._finish_write(group)  # the buffer then still holds the data: no read needed
         if group.state == SwapState.INVALID:
             err = group.error
-            raise AioError(err.errno, f"group {group.key!r} has no valid data on NVMe: its last "
-                           f"write failed ({err})", err.filename)
+            why = err.strerror if err.errno == errno.EINVAL else f"its last write failed ({err})"
+            raise AioError(err.errno, f"group {group.key!r} has no valid data on NVMe: {why}",
+                           err.filename)
         if group.state != SwapState.ON_NVME:
             return
         if not self._take_buffer(group):
@@ -370,7 +372,8 @@ class NVMeStateStore:
                     self._release_tensors(group)
                     self._drop_buffer(group)
                     group.state, group.error = SwapState.INVALID, AioError(
-                        0, f"tensor {i} was given new storage while resident", group.name)
+                        errno.EINVAL, f"tensor {i} was given new storage while resident, so the "
+                        "update was not written back", self.swapper.dir.file(group.name))
                     raise ValueError(f"tensor {i} of NVMe group {group.key!r} was given new storage "
                                      "(t.data = ..., set_, resize_) while resident; update resident "
                                      "tensors in place. The group is now invalid.")
