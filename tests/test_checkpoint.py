@@ -13,27 +13,32 @@ from models import MODELS
 LR = 1e-2
 
 
-def _config(stage, dtype, gas=1, micro=2):
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+def _config(stage, dtype, gas=1, micro=2, offload=False):
+    cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
             "bf16": {"enabled": dtype == "bf16"}, "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 8},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5, "warmup_max_lr": LR}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 64,
                                   **({"stage3_param_persistence_threshold": 16} if stage == 3 else {})}}
+    if offload:  # ZeRO-Offload: masters and state in host memory, the C CPUAdam
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    return cfg
 
 
 def _dtype(dtype):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
 
 
-def _engine(stage, dtype, model_name="mlp", gas=1, micro=2):
+def _engine(stage, dtype, model_name="mlp", gas=1, micro=2, offload=False):
     import zero_ext
 
     torch.manual_seed(0)
     model = MODELS[model_name]()
     groups = model.param_groups()
     engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=groups,
-                                          config=_config(stage, dtype, gas, micro))
+                                          config=_config(stage, dtype, gas, micro, offload))
     return engine
 
 
@@ -65,18 +70,18 @@ def _snapshot(engine):
             "lr": engine.get_lr(), "steps": (engine.global_steps, engine.micro_steps), "scale": opt.cur_scale}
 
 
-def _save_then_continue(tmp, stage, dtype, model_name, gas):
+def _save_then_continue(tmp, stage, dtype, model_name, gas, offload=False):
     torch.manual_seed(100 + torch.distributed.get_rank())
-    engine = _engine(stage, dtype, model_name, gas)
+    engine = _engine(stage, dtype, model_name, gas, offload=offload)
     _train(engine, 3, model_name, dtype)
     engine.save_checkpoint(tmp, client_state={"epoch": 7})
     losses = _train(engine, 3, model_name, dtype)
     return losses, _snapshot(engine)
 
 
-def _load_then_continue(tmp, stage, dtype, model_name, gas):
+def _load_then_continue(tmp, stage, dtype, model_name, gas, offload=False):
     torch.manual_seed(999)  # must not matter: the checkpoint restores every rank's RNG
-    engine = _engine(stage, dtype, model_name, gas)
+    engine = _engine(stage, dtype, model_name, gas, offload=offload)
     path, client = engine.load_checkpoint(tmp)
     assert client == {"epoch": 7} and path.endswith("global_step3")
     losses = _train(engine, 3, model_name, dtype)
@@ -96,13 +101,17 @@ def _same(a, b):
 RESUME = [(0, "fp32", "mlp", 1), (1, "bf16", "gpt", 2), (2, "fp32", "gpt", 2), (2, "bf16", "mlp", 1),
           (1, "fp32", "mlp", 1), (0, "bf16", "gpt", 2), (2, "fp16", "mlp", 1), (3, "fp32", "mlp", 2),
           (3, "bf16", "gpt", 1)]
+# with ZeRO-Offload (stage 3: parameters offloaded too)
+RESUME_OFFLOAD = [(1, "bf16", "gpt", 1), (2, "fp32", "mlp", 2), (3, "bf16", "mlp", 1), (2, "fp16", "gpt", 1),
+                  (3, "fp32", "gpt", 2)]
 
 
-@pytest.mark.parametrize("stage,dtype,model_name,gas", RESUME)
-def test_exact_resume_in_fresh_processes(tmp_path, stage, dtype, model_name, gas):
-    before = run_ranks(2, _save_then_continue, str(tmp_path), stage, dtype, model_name, gas)
+@pytest.mark.parametrize("stage,dtype,model_name,gas,offload", [c + (False,) for c in RESUME] +
+                         [c + (True,) for c in RESUME_OFFLOAD])
+def test_exact_resume_in_fresh_processes(tmp_path, stage, dtype, model_name, gas, offload):
+    before = run_ranks(2, _save_then_continue, str(tmp_path), stage, dtype, model_name, gas, offload)
     restart_pool(2)
-    after = run_ranks(2, _load_then_continue, str(tmp_path), stage, dtype, model_name, gas)
+    after = run_ranks(2, _load_then_continue, str(tmp_path), stage, dtype, model_name, gas, offload)
     for (l1, s1), (l2, s2) in zip(before, after):
         assert l1 == l2
         _same(s1, s2)
@@ -135,8 +144,8 @@ def _train_global(engine, first_step, steps):
         engine.step()
 
 
-def _save_for_reshard(tmp, stage):
-    engine = _engine(stage, "fp32", "gpt", micro=GLOBAL_BATCH // torch.distributed.get_world_size())
+def _save_for_reshard(tmp, stage, offload=False):
+    engine = _engine(stage, "fp32", "gpt", micro=GLOBAL_BATCH // torch.distributed.get_world_size(), offload=offload)
     _train_global(engine, 0, 3)
     engine.save_checkpoint(tmp)
     state = _full_state(engine)
@@ -144,8 +153,8 @@ def _save_for_reshard(tmp, stage):
     return state, _params(engine)
 
 
-def _load_resharded(tmp, stage):
-    engine = _engine(stage, "fp32", "gpt", micro=GLOBAL_BATCH // torch.distributed.get_world_size())
+def _load_resharded(tmp, stage, offload=False):
+    engine = _engine(stage, "fp32", "gpt", micro=GLOBAL_BATCH // torch.distributed.get_world_size(), offload=offload)
     engine.load_checkpoint(tmp)
     state = _full_state(engine)
     _train_global(engine, 3, 2)
@@ -153,11 +162,13 @@ def _load_resharded(tmp, stage):
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (2, 2)), ((4, 2), (1, 1)), ((2, 1), (4, 2)), ((2, 2), (2, 0)),
-                                          ((4, 3), (2, 3)), ((2, 3), (1, 2)), ((2, 2), (4, 3))])
+                                          ((4, 3), (2, 3)), ((2, 3), (1, 2)), ((2, 2), (4, 3)),
+                                          # saved with ZeRO-Offload, loaded without, and the other way
+                                          ((4, 2, True), (2, 3)), ((2, 3), (1, 1, True))])
 def test_resharding_keeps_parameters_and_optimizer_state(tmp_path, saved, loaded):
-    (w_save, s_save), (w_load, s_load) = saved, loaded
-    ref_state, ref_params = run_ranks(w_save, _save_for_reshard, str(tmp_path), s_save)[0]
-    results = run_ranks(w_load, _load_resharded, str(tmp_path), s_load)
+    (w_save, s_save, *o_save), (w_load, s_load, *o_load) = saved, loaded
+    ref_state, ref_params = run_ranks(w_save, _save_for_reshard, str(tmp_path), s_save, bool(o_save))[0]
+    results = run_ranks(w_load, _load_resharded, str(tmp_path), s_load, bool(o_load))
     for (state, steps), params in results:
         ref_values, ref_steps = ref_state
         assert steps == ref_steps and state.keys() == ref_values.keys()
