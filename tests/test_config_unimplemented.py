@@ -14,17 +14,9 @@ Z3 = {"stage": 3}
 CASES = {
     "zero_optimization.offload_param.device": (
         {"zero_optimization": {**Z3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
-    "zero_optimization.offload_optimizer.device": (
-        {"zero_optimization": {**Z3, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
     "zero_optimization.offload_optimizer.super_offload": (
         {"zero_optimization": {**Z3, "offload_optimizer": {"device": "cpu",
                                                            "super_offload": True}}}, True),
-    "zero_optimization.offload_optimizer.pipeline_read": (
-        {"zero_optimization": {"stage": 1, "offload_optimizer": {"pipeline_read": True}}}, True),
-    "zero_optimization.offload_optimizer.pipeline_write": (
-        {"zero_optimization": {"stage": 1, "offload_optimizer": {"pipeline_write": True}}}, True),
-    "zero_optimization.offload_optimizer.fast_init": (
-        {"zero_optimization": {"stage": 1, "offload_optimizer": {"fast_init": True}}}, True),
     "zero_optimization.zero_hpz_partition_size": (
         {"zero_optimization": {**Z3, "zero_hpz_partition_size": 8}}, 8),
     "zero_optimization.zero_quantized_weights": (

@@ -1,7 +1,9 @@
 """safe_get / safe_set (zero_ext.utils) against the single-process reference, stages 0-3, with and
 without ZeRO-Offload (offload_optimizer cpu: the state lives in host memory; the engine steps it with
 the C CPUAdam, which agrees with torch's AdamW within 1e-6 (|p| + lr) per step, so offloaded runs are
-compared within the N-rank tolerance even at N=1)."""
+compared within the N-rank tolerance even at N=1; "nvme" keeps them in swap files)."""
+import tempfile
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ LR = 1e-2
 # pairwise over stage x world x accumulation
 CASES = [(0, 1, 1), (1, 2, 1), (2, 4, 1), (0, 2, 2), (1, 4, 2), (2, 1, 2), (2, 2, 2), (1, 1, 1), (0, 4, 1),
          (3, 1, 1), (3, 2, 2), (3, 4, 1)]
-OFFLOAD_CASES = [(1, 2, 1), (2, 4, 2), (2, 1, 1), (3, 2, 2), (3, 1, 1)]
+OFFLOAD_CASES = [(1, 2, 1, True), (2, 4, 2, True), (2, 1, 1, True), (3, 2, 2, True), (3, 1, 1, True),
+                 (2, 2, 2, "nvme"), (3, 2, 1, "nvme")]
 
 
 def _config(stage, gas, offload=False):
@@ -20,7 +23,9 @@ def _config(stage, gas, offload=False):
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
                                   **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
-    if offload:
+    if offload == "nvme":  # ZeRO-Infinity: masters and Adam state in swap files under the temporary directory
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
+    elif offload:
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return cfg
 
@@ -92,7 +97,7 @@ def _close(a, b, exact):
     return bool(((a - b).abs() <= 1e-5 * (b.abs() + LR) + 1e-7).all())
 
 
-@pytest.mark.parametrize("stage,world,gas,offload", [c + (False,) for c in CASES] + [c + (True,) for c in OFFLOAD_CASES])
+@pytest.mark.parametrize("stage,world,gas,offload", [c + (False,) for c in CASES] + OFFLOAD_CASES)
 def test_full_and_local_reads_match_the_reference(stage, world, gas, offload):
     results = run_ranks(world, _reads, stage, world, gas, offload)
     ref = _reference(world, gas)
@@ -157,7 +162,7 @@ def _seed_example_zero_params_and_state(stage, offload=False):
 
 
 @pytest.mark.parametrize("stage,world,offload", [(1, 2, False), (2, 4, False), (0, 2, False), (3, 2, False),
-                                                 (2, 2, True), (3, 2, True)])
+                                                 (2, 2, True), (3, 2, True), (3, 2, "nvme")])
 def test_seed_example_zeroing_params_and_adam_state(stage, world, offload):
     seen, grads, params = run_ranks(world, _seed_example_zero_params_and_state, stage, offload)[0]
     assert seen == 0.0  # the next forward sees the zeroed weights
@@ -187,7 +192,7 @@ def _seed_example_zero_grads(stage, gas, offload=False):
 
 
 @pytest.mark.parametrize("stage,gas,offload", [(0, 1, False), (1, 2, False), (2, 2, False), (3, 2, False),
-                                               (1, 1, True), (3, 2, True)])
+                                               (1, 1, True), (3, 2, True), (2, 2, "nvme")])
 def test_seed_example_zeroing_gradients_before_step(stage, gas, offload):
     before, after = run_ranks(2, _seed_example_zero_grads, stage, gas, offload)[0]
     # zero gradients: Adam's update is 0/(0+eps) = 0, only decoupled weight decay moves the weights
@@ -218,7 +223,7 @@ def _set_then_get(stage, offload=False):
 
 
 @pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (3, False), (1, True), (2, True),
-                                           (3, True)])
+                                           (3, True), (1, "nvme"), (3, "nvme")])
 def test_set_then_get(stage, offload):
     assert run_ranks(2, _set_then_get, stage, offload) == [(True, True, True)] * 2
 

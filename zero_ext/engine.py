@@ -56,6 +56,8 @@ class ZeroEngine(torch.nn.Module):
         if base_optimizer is not None:
             self.optimizer = self._build_zero_optimizer(base_optimizer)
             self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
+            if self.offload.optimizer_device == "nvme":
+                self._attach_nvme()
         self.lr_scheduler = lr_scheduler
 
     # -- construction ---------------------------------------------------------------------------------
@@ -107,6 +109,21 @@ class ZeroEngine(torch.nn.Module):
                             self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
         opt.after_step_hooks.append(self.zero_model.refresh_persistent)
         return opt
+
+    def _attach_nvme(self) -> None:
+        """offload_optimizer.device = "nvme": masters and optimizer state go to swap files under nvme_path,
+        one file per group (stage 3: per sub-group), streamed through buffer_count host buffers."""
+        from .aio import check_nvme_path
+        from .nvme_states import NVMeStateStore
+
+        oc = self._config.zero_optimization.offload_optimizer
+        # before any training: the directory works and has room for this rank's files (plus the padding
+        # of each file to a page)
+        opt = self.optimizer
+        need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
+        check_nvme_path(oc.nvme_path, need)
+        store = NVMeStateStore(oc.nvme_path, oc.buffer_count, aio=self._config.aio, pin_memory=oc.pin_memory)
+        self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init)
 
     def empty_partition_cache(self) -> None:
         """Stage 3: releases every gathered parameter, persistent ones too (the next forward gathers
@@ -303,7 +320,17 @@ class ZeroEngine(torch.nn.Module):
                 account.add("grads", p.grad)
         for b in self.module.buffers():
             account.add("buffers", b)
+        if self.optimizer is not None and self.optimizer.nvme is not None:
+            masters, states = self.optimizer.nvme_bytes()
+            account.bytes["fp32_master"]["nvme"] += masters
+            account.bytes["optimizer_state"]["nvme"] += states
+            account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
         return account.table()
+
+    def _state_in_memory(self, modified: bool):
+        """NVMe offload: masters and optimizer state in memory for a checkpoint (ZeroOptimizer.materialized)."""
+        return self.optimizer.materialized(modified=modified) if self.optimizer is not None \
+            else contextlib.nullcontext()
 
     def _host_placed(self) -> List[torch.Tensor]:
         """Tensors the offload config keeps in host memory: the offloaded optimizer's masters, gradient
@@ -321,7 +348,8 @@ class ZeroEngine(torch.nn.Module):
         """Collective: every rank writes its shard; see docs/checkpoints.md."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        with self._state_in_memory(modified=False):
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -329,8 +357,9 @@ class ZeroEngine(torch.nn.Module):
         """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                               load_lr_scheduler_states, load_module_only, custom_load_fn)
+        with self._state_in_memory(modified=True):
+            return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                   load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The model's weights in their training dtype, whole (stage 3: gathered; collective there)."""
@@ -399,6 +428,8 @@ class ZeroEngine(torch.nn.Module):
         remove = getattr(getattr(self.optimizer, "reducer", None), "remove_hooks", None)
         if remove:
             remove()
+        if self.optimizer is not None:
+            self.optimizer.destroy_offload()
         if self.zero_model is not None:
             self.zero_model.destroy()
             self.zero_model = None

@@ -16,6 +16,7 @@ Here:
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
+import contextlib
 from typing import Dict, List, Tuple
 
 import torch
@@ -65,8 +66,13 @@ class ShardGroup:
         if self.master.data_ptr() != self.flat.data_ptr():
             i = self.params.index(zp.param)
             off, s = self.offsets[i], self.shards[i]
-            with torch.no_grad():
+            with self.materialize(), torch.no_grad():
                 self.master[off:off + s].copy_(self.flat[off:off + s])
+
+    @staticmethod
+    def materialize():
+        """The master in memory for a write (NVMe offload replaces this per group; see attach_nvme)."""
+        return contextlib.nullcontext()
 
     def piece_of(self, i: int):
         """This rank's piece of parameter i as a planner Piece (its real elements), or None."""

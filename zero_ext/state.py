@@ -16,10 +16,27 @@ first access reduces them (a collective, even for the local forms). Values are f
 fp16 loss scale, on the compute device. A parameter the engine does not own (frozen, or not in the
 engine) gives None, as in DeepSpeed; setters ignore it.
 """
+import functools
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+
+def _in_memory(modified: bool):
+    """With NVMe offload, the parameter's group (master, optimizer state) is brought into memory for the
+    call and, for setters, written back (ZeroOptimizer.materialized); otherwise a plain call."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(param, *args, **kwargs):
+            owner = getattr(param, "_zx_state", None)
+            opt = owner[0]() if owner is not None else None
+            if opt is None or getattr(opt, "nvme", None) is None:
+                return fn(param, *args, **kwargs)
+            with opt.materialized([owner[1]], modified=modified):
+                return fn(param, *args, **kwargs)
+        return call
+    return wrap
 
 
 class _Where:
@@ -106,6 +123,7 @@ def _value(value: torch.Tensor, w: _Where) -> torch.Tensor:
 
 # -- read -------------------------------------------------------------------------------------------------
 
+@_in_memory(modified=False)
 def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
     """The fp32 master weights of param, full shape. Collective."""
     w = _where(param)
@@ -120,12 +138,14 @@ def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     return w.full(_grads(w, "safe_get_full_grad"), _shape(param)) / w.opt.cur_scale
 
 
+@_in_memory(modified=False)
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
     """The optimizer state ``optim_state_key`` (e.g. "exp_avg") of param, full shape. Collective."""
     w = _where(param)
     return None if w is None else w.full(_state(w, optim_state_key, "safe_get_full_optimizer_state"), _shape(param))
 
 
+@_in_memory(modified=False)
 def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
     """This rank's fragment of param's fp32 master weights (1-D, possibly empty)."""
     w = _where(param)
@@ -138,6 +158,7 @@ def safe_get_local_grad(param) -> Optional[torch.Tensor]:
     return None if w is None else w.local(_grads(w, "safe_get_local_grad")) / w.opt.cur_scale
 
 
+@_in_memory(modified=False)
 def safe_get_local_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's fragment of param's optimizer state ``optim_state_key`` (1-D)."""
     w = _where(param)
@@ -146,6 +167,7 @@ def safe_get_local_optimizer_state(param, optim_state_key: str) -> Optional[torc
 
 # -- write ------------------------------------------------------------------------------------------------
 
+@_in_memory(modified=True)
 def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
     """Sets param's fp32 master weights and the model's copy (the next forward sees it). Every rank
     passes the same full value."""
@@ -164,6 +186,7 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
             param.data.copy_(value.view(param.shape))
 
 
+@_in_memory(modified=True)
 def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
     """Sets this rank's fragment of param's fp32 master weights (and of its model copy; the other ranks'
     copies follow at the next step's all-gather)."""
@@ -202,6 +225,7 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
     w.local(grads).copy_(value * w.opt.cur_scale)
 
 
+@_in_memory(modified=True)
 def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
     """Sets param's optimizer state ``optim_state_key``. Every rank passes the same full value."""
     w = _where(param)
@@ -211,6 +235,7 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     w.real(state).copy_(w.fragment_of(_value(value, w)))
 
 
+@_in_memory(modified=True)
 def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
     """Sets this rank's fragment of param's optimizer state ``optim_state_key``."""
     w = _where(param)

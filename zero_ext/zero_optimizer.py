@@ -9,6 +9,7 @@ the model's dtype, all-gather the updated partitions.
 Overflow needs no collective of its own: the global norm is a sum over every rank's partition, so an
 inf or nan anywhere makes it non-finite on every rank, and all ranks skip the same steps.
 """
+import contextlib
 import math
 import weakref
 from typing import List, Optional
@@ -57,6 +58,9 @@ class ZeroOptimizer:
         self.reduced = False  # this step's gradients are averaged already
         self.at_boundary = lambda: True  # the engine replaces it with its own accumulation test
         self.after_step_hooks = []  # run after each applied step (stage 3: refresh persistent parameters)
+        self.nvme = None  # ZeRO-Infinity: the NVMeStateStore holding masters and optimizer state (attach_nvme)
+        self._pipeline = (False, False)
+        self._materialized = set()  # NVMe groups held in ordinary memory by materialized()
         # each trainable parameter knows its place, for the state routines (state.py)
         for gi, g in enumerate(self.flat_groups):
             for i, p in enumerate(g.params):
@@ -166,9 +170,106 @@ class ZeroOptimizer:
         by_master = {id(g.master): g for g in self.flat_groups}
         targets = {id(g): _lp_target(g) for g in self.flat_groups}
         outs = [[targets[id(by_master[id(m)])] for m in pg["params"]] for pg in self.optimizer.param_groups]
-        self.optimizer.step(fp16_param_groups=outs, grad_scale=combined)
-        for g in self.flat_groups:
+        if self.nvme is None:
+            self.optimizer.step(fp16_param_groups=outs, grad_scale=combined)
+            for g in self.flat_groups:
+                _lp_upload(g, targets[id(g)])
+            return
+        # NVMe: the groups stream through the store's buffers (the next read and the previous write-back
+        # overlap this group's update with pipeline_read / pipeline_write)
+        keys = [k for k in range(len(self.flat_groups)) if k not in self._materialized]
+        for k in self.nvme.stream(keys, *self._pipeline):
+            g = self.flat_groups[k]
+            self.optimizer.step(fp16_param_groups=outs, grad_scale=combined, params=[g.master])
             _lp_upload(g, targets[id(g)])
+        for k in sorted(self._materialized):  # (a step inside materialized(): those are in memory)
+            g = self.flat_groups[k]
+            self.optimizer.step(fp16_param_groups=outs, grad_scale=combined, params=[g.master])
+            _lp_upload(g, targets[id(g)])
+
+    # -- NVMe (ZeRO-Infinity) -----------------------------------------------------------------------------
+
+    def attach_nvme(self, store, pipeline_read: bool, pipeline_write: bool, fast_init: bool) -> None:
+        """Moves every group's fp32 master and optimizer state to NVMe (nvme_states.NVMeStateStore).
+        The state is created now (zeros, step 0: what the first step would create); with ``fast_init``
+        the masters are written from the 16-bit partitions chunk by chunk, never whole in memory."""
+        if not is_cpu_optimizer(self.optimizer):
+            from .config import ConfigError
+
+            raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
+                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (or pass CPUAdam)")
+        self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
+        base = self.optimizer
+        for k, g in enumerate(self.flat_groups):
+            if fast_init:
+                old = g.master
+                made = store.register_from_lp(k, [g.flat[g.lo:g.hi]], [g.hi - g.lo] * len(base.state_keys))
+                g.master = made[0]
+                for pg in base.param_groups:
+                    pg["params"] = [g.master if m is old else m for m in pg["params"]]
+                state = base.state[g.master]
+                state["step"] = 0
+                for key, t in zip(base.state_keys, made[1:]):
+                    state[key] = t
+                with store.resident(k, modified=False):  # (.grad must match the shape while assigned)
+                    g.master.grad = g.grad
+            else:  # the master keeps its .grad through the swaps
+                state = base.state[g.master]
+                base._init_state(g.master, state)
+                store.register(k, [g.master] + [state[key] for key in base.state_keys])
+            g.materialize = (lambda k=k: self.materialized([k]))  # stage 3's GatheredParameters writes masters
+
+    @contextlib.contextmanager
+    def materialized(self, keys=None, modified: bool = True):
+        """NVMe: the masters and optimizer state of groups ``keys`` (indices; default all) in ordinary host
+        memory for the block — what the state routines, checkpoints and GatheredParameters read and write —
+        and written back after it (unless ``modified`` is False). Without NVMe: nothing to do."""
+        if self.nvme is None:
+            yield
+            return
+        keys = [k for k in (range(len(self.flat_groups)) if keys is None else keys) if k not in self._materialized]
+        base = self.optimizer
+        try:
+            for k in keys:
+                with self.nvme.resident(k, modified=False) as tensors:
+                    copies = [t.detach().clone() for t in tensors]
+                for t, c in zip(self.nvme.tensors(k), copies):
+                    t.data = c
+                self._materialized.add(k)
+            yield
+        finally:
+            for k in keys:
+                if k not in self._materialized:
+                    continue
+                self._materialized.discard(k)
+                g, registered = self.flat_groups[k], self.nvme.tensors(k)
+                state = base.state[g.master]
+                # load_state_dict replaces state tensors: their values go back into the registered ones
+                values = [g.master.data] + [state[key].data for key in base.state_keys]
+                for key, t in zip(base.state_keys, registered[1:]):
+                    state[key] = t
+                for t in registered:
+                    t.data = torch.empty(0, dtype=t.dtype)
+                if modified:
+                    with self.nvme.resident(k, modified=True) as tensors:
+                        for t, v in zip(tensors, values):
+                            t.copy_(v.reshape(t.shape))
+
+    def nvme_file_bytes(self, g) -> int:
+        """The bytes a group's swap file needs: its fp32 master and each optimizer state tensor."""
+        return (g.hi - g.lo) * 4 * (1 + len(getattr(self.optimizer, "state_keys", ())))
+
+    def nvme_bytes(self):
+        """(fp32 master bytes, optimizer state bytes) this rank keeps on NVMe."""
+        if self.nvme is None:
+            return 0, 0
+        masters = sum((g.hi - g.lo) * 4 for g in self.flat_groups)
+        return masters, masters * len(self.optimizer.state_keys)
+
+    def destroy_offload(self) -> None:
+        """Removes the NVMe swap files (engine.destroy())."""
+        if self.nvme is not None:
+            self.nvme.destroy()
 
     def host_tensors(self) -> List[torch.Tensor]:
         """What this optimizer placed in host memory (ZeRO-Offload), for the memory account's tiers."""

@@ -26,12 +26,7 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     # -- ZeRO stage 3 and its relatives --------------------------------------------------------
     "zero_optimization.offload_param.device": {"reason": "parameter offload to NVMe (ZeRO-Infinity)",
                                                "values": ["nvme"]},
-    "zero_optimization.offload_optimizer.device": {"reason": "optimizer offload to NVMe (ZeRO-Infinity)",
-                                                   "values": ["nvme"]},
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
-    "zero_optimization.offload_optimizer.pipeline_read": "pipelined NVMe optimizer reads",
-    "zero_optimization.offload_optimizer.pipeline_write": "pipelined NVMe optimizer writes",
-    "zero_optimization.offload_optimizer.fast_init": "fast NVMe optimizer initialisation",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",
     "zero_optimization.zero_quantized_nontrainable_weights": "quantized frozen weights",

@@ -224,10 +224,6 @@ def _offload_rules(z: ZeroConfig):
     if optim.device != OffloadDevice.none and z.stage == 0:
         yield ("offload_optimizer.device", optim.device,
                "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0)")
-    if optim.device == OffloadDevice.nvme and z.stage in (1, 2):
-        yield ("offload_optimizer.device", optim.device,
-               f"NVMe optimizer offload needs ZeRO stage 3 (stage is {z.stage}); use \"cpu\" "
-               "or stage 3")
     if optim.ratio < 1.0 and z.stage != 3:
         yield ("offload_optimizer.ratio", optim.ratio,
                f"partial offload (ratio < 1) is only supported with ZeRO stage 3 (stage is "

@@ -162,15 +162,17 @@ class CPUOptimizer(torch.optim.Optimizer):
                                "to the CPU)")
 
     @torch.no_grad()
-    def step(self, closure=None, fp16_param_groups=None, *, grad_scale=1.0):
+    def step(self, closure=None, fp16_param_groups=None, *, grad_scale=1.0, params=None):
         """One step of every parameter that has a gradient: one C call per param group (per step
         count, should parameters of a group have been stepped unequally).
 
         fp16_param_groups (as DeepSpeed's older API): per group, a list of bf16/fp16 tensors, one per
         parameter (or None), that receive the updated parameters in the same pass, rounded exactly
         as p.to(dtype). grad_scale (zero_ext): gradients are multiplied by it as they are loaded
-        (1/loss_scale times the clip coefficient); they are not modified.
+        (1/loss_scale times the clip coefficient); they are not modified. params (zero_ext): step only
+        these parameters (the NVMe-offloaded step updates one resident group at a time).
         """
+        only = None if params is None else {id(t) for t in params}
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -185,7 +187,7 @@ class CPUOptimizer(torch.optim.Optimizer):
                                  f"{len(group['params'])} parameters")
             on_device = []
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                if p.grad is None or (only is not None and id(p) not in only):
                     continue
                 if not (self.device_params and not p.is_cpu):
                     self._check_device(p)

@@ -1,0 +1,155 @@
+"""ZeRO-Infinity optimizer offload (offload_optimizer.device = "nvme") in the engine.
+
+NVMe offload changes where the fp32 masters and optimizer state are kept between steps, not the
+arithmetic: training must equal CPU offload bit for bit (losses, parameters, masters, Adam state),
+stages 1-3, 1 and 2 ranks, fp32 and bf16, with each pipeline_read / pipeline_write / fast_init
+setting. Swap files live in a per-run directory under nvme_path (a temporary directory on the local
+disk here) and are gone after engine.destroy(). A checkpoint of an NVMe run loads into a CPU-offload
+engine. The thread fallback (ZERO_EXT_AIO=threads) gives the same results; a full or missing drive
+is refused at initialize.
+"""
+import os
+
+import pytest
+import torch
+
+from harness import RankFailed, run_ranks
+from models import MODELS
+from test_aio import mount, mounts  # noqa: F401 - the fixture is used by name
+
+LR = 1e-2
+STEPS = 4
+
+# (stage, dtype, world, model, offload_optimizer options) pairwise
+CASES = [
+    (1, "fp32", 1, "mlp", {"pipeline_read": True}),
+    (2, "bf16", 2, "gpt", {"pipeline_write": True, "fast_init": True}),
+    (3, "fp32", 2, "gpt", {"pipeline_read": True, "pipeline_write": True}),
+    (3, "bf16", 1, "mlp", {"fast_init": True}),
+    (2, "fp32", 1, "gpt", {}),
+    (1, "bf16", 2, "mlp", {"pipeline_read": True, "pipeline_write": True, "fast_init": True}),
+]
+
+
+def _config(stage, dtype, offload):
+    zero = {"stage": stage, "offload_optimizer": offload}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, sub_group_size=80)
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+
+
+def _train(stage, dtype, model_name, offload, save_to=None):
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = MODELS[model_name]()
+    engine, _, _, _ = zero_ext.initialize(model=model, config=_config(stage, dtype, offload),
+                                          model_parameters=model.parameters())
+    gen = torch.Generator().manual_seed(7)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    losses = []
+    for _ in range(STEPS):
+        batches = [MODELS[model_name].batch(2, gen, dt) for _ in range(torch.distributed.get_world_size())]
+        loss = engine.module.loss(batches[rank])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.float().item())
+    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    masters = {n: safe_get_full_fp32_param(p) for n, p in trained}
+    states = {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in trained}
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    memory = engine.memory_breakdown()
+    files = None
+    if engine.optimizer.nvme is not None:
+        swap_dir = engine.optimizer.nvme.swapper.dir.path
+        files = sorted((f, oct(os.stat(os.path.join(swap_dir, f)).st_mode & 0o777)) for f in os.listdir(swap_dir)
+                       if not f.startswith("."))
+    if save_to is not None:
+        engine.save_checkpoint(save_to, tag="t")
+    engine.destroy()
+    left = os.path.exists(swap_dir) and os.listdir(swap_dir) if files is not None else None
+    return losses, params, masters, states, memory, files, left
+
+
+def _nvme_and_cpu(stage, dtype, model_name, options, nvme_path, ckpt):
+    nvme = _train(stage, dtype, model_name, {"device": "nvme", "nvme_path": nvme_path, **options}, save_to=ckpt)
+    cpu = _train(stage, dtype, model_name, {"device": "cpu"})
+    loaded = _load_into_cpu_offload(stage, dtype, model_name, ckpt)
+    return nvme, cpu, loaded
+
+
+def _load_into_cpu_offload(stage, dtype, model_name, ckpt):
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    torch.manual_seed(1)
+    model = MODELS[model_name]()
+    engine, _, _, _ = zero_ext.initialize(model=model, config=_config(stage, dtype, {"device": "cpu"}),
+                                          model_parameters=model.parameters())
+    engine.load_checkpoint(ckpt, tag="t")
+    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    out = ({n: safe_get_full_fp32_param(p) for n, p in trained},
+           {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in trained})
+    engine.destroy()
+    return out
+
+
+def _id(case):
+    stage, dtype, world, model, opts = case
+    return f"z{stage}-{dtype}-n{world}-{model}" + "".join(f"-{k}" for k in opts)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_nvme_offload_equals_cpu_offload_bit_for_bit(tmp_path, case):
+    stage, dtype, world, model, options = case
+    (tmp_path / "nvme").mkdir()
+    results = run_ranks(world, _nvme_and_cpu, stage, dtype, model, options, str(tmp_path / "nvme"),
+                        str(tmp_path / "ckpt"), timeout=240)
+    for rank, (nvme, cpu, loaded) in enumerate(results):
+        assert nvme[0] == cpu[0], f"rank {rank}: losses differ"
+        for n in nvme[1]:
+            assert torch.equal(nvme[1][n], cpu[1][n]), f"rank {rank}: parameter {n} differs"
+        for n in nvme[2]:
+            assert torch.equal(nvme[2][n], cpu[2][n]) and torch.equal(nvme[3][n], cpu[3][n]), n
+            assert torch.equal(loaded[0][n], cpu[2][n]) and torch.equal(loaded[1][n], cpu[3][n]), \
+                f"{n}: the NVMe run's checkpoint does not load into a CPU-offload engine"
+        mem = nvme[4]
+        assert mem["fp32_master"]["nvme"] > 0 and mem["optimizer_state"]["nvme"] == 2 * mem["fp32_master"]["nvme"]
+        assert mem["fp32_master"]["host"] == mem["optimizer_state"]["host"] == 0, mem
+        assert mem["fp32_master"]["accelerator"] == mem["optimizer_state"]["accelerator"] == 0, mem
+        assert nvme[5] and all(mode == "0o600" for _, mode in nvme[5]), nvme[5]
+        assert not nvme[6], f"swap files left after destroy(): {nvme[6]}"
+
+
+def test_thread_fallback_gives_the_same_results(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    args = (2, "fp32", "mlp", {"pipeline_read": True, "pipeline_write": True}, str(tmp_path / "nvme"),
+            str(tmp_path / "ckpt"))
+    nvme, cpu, _ = run_ranks(1, _nvme_and_cpu, *args, env={"ZERO_EXT_AIO": "threads"})[0]
+    assert nvme[0] == cpu[0]
+    assert all(torch.equal(nvme[1][n], cpu[1][n]) for n in nvme[1])
+
+
+def _initialize(nvme_path):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MODELS["gpt"]()
+    cfg = _config(2, "fp32", {"device": "nvme", "nvme_path": nvme_path})
+    zero_ext.initialize(model=model, config=cfg, model_parameters=model.parameters())
+
+
+def test_missing_nvme_path_is_refused_at_initialize(tmp_path):
+    with pytest.raises(RankFailed, match="does not exist: create it"):
+        run_ranks(1, _initialize, str(tmp_path / "absent"))
+
+
+def test_a_drive_too_small_is_refused_at_initialize_with_the_bytes(tmp_path, mounts):  # noqa: F811
+    target = mount(tmp_path, "tmpfs", "size=16k")
+    mounts.append(target)
+    with pytest.raises(RankFailed, match=r"bytes needed for swap files, \d+ bytes free"):
+        run_ranks(1, _initialize, str(target))
