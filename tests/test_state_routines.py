@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
+from harness import RankFailed, restart_pool, run_ranks
 from models import MLP
 
 LR = 1e-2
@@ -264,3 +264,25 @@ def test_missing_optimizer_state_key_is_named():
     engine = _engine(1, 1)
     with pytest.raises(KeyError, match="'exp_avg' is not in the optimizer state.*first step"):
         utils.safe_get_full_optimizer_state(engine.module.head.weight, "exp_avg")
+
+
+def _full_read_on_rank0_only(mismatch: bool):
+    from zero_ext import utils
+
+    engine = _engine(2, 1)
+    rank = torch.distributed.get_rank()
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    if mismatch:  # every rank calls, for different parameters
+        return utils.safe_get_full_fp32_param(params[rank])
+    if rank == 0:
+        return utils.safe_get_full_fp32_param(params[0])
+    return None
+
+
+@pytest.mark.parametrize("mismatch,message", [(False, "only 1 of 2 ranks called it"),
+                                              (True, "every rank must pass the same arguments")])
+def test_debug_mode_turns_a_one_rank_full_read_into_an_error(mismatch, message):
+    env = {"ZERO_EXT_DEBUG": "1", "ZERO_EXT_COLLECTIVE_CHECK_TIMEOUT": "2"}
+    restart_pool(2)  # fresh call counters: an earlier test's one-rank call would shift them (as it should)
+    with pytest.raises(RankFailed, match=message):
+        run_ranks(2, _full_read_on_rank0_only, mismatch, env=env, timeout=60)

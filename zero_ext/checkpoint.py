@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import shutil
-import time
 import warnings
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint_layout as layout_of
+from . import collective_check
 from .checkpoint_io import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes,
                             read_manifest, verified_load)
 from .zero_to_fp32 import param_values, piece_values
@@ -39,11 +39,6 @@ STANDARD_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shapes"
                  "global_steps", "global_samples", "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size",
                  "ds_config", "ds_version", "zero_stage", "optimizer", "checkpoint_parallel_dimensions"}
 
-def _collective_timeout() -> float:
-    """Seconds a rank waits for the others to enter a checkpoint call (ZERO_EXT_COLLECTIVE_CHECK_TIMEOUT)."""
-    return float(os.environ.get("ZERO_EXT_COLLECTIVE_CHECK_TIMEOUT", "120"))
-
-
 def optim_file(rank: int, bf16: bool) -> str:
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
@@ -51,23 +46,9 @@ def optim_file(rank: int, bf16: bool) -> str:
 # -- every rank must call ---------------------------------------------------------------------------------
 
 def check_all_ranks_call(what: str, seq: int, timeout: float = None) -> None:
-    """Fails (instead of hanging in the collectives that follow) when some rank does not call `what`:
-    each rank counts itself in on the process group's store and waits for the others."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    timeout = _collective_timeout() if timeout is None else timeout
-    store = dist.distributed_c10d._get_default_store()
-    key = f"zero_ext/collective/{what}/{seq}"
-    world = dist.get_world_size()
-    arrived = store.add(key, 1)
-    deadline = time.monotonic() + timeout
-    while arrived < world:
-        if time.monotonic() > deadline:
-            raise CheckpointError(
-                f"{what} is collective, but only {arrived} of {world} ranks called it within {timeout:.0f}s: call "
-                f"it on every rank (not under `if rank == 0:`); every rank writes its own shard")
-        time.sleep(0.01)
-        arrived = store.add(key, 0)
+    """Fails (instead of hanging in the collectives that follow) when some rank does not call `what`."""
+    collective_check.check_all_ranks_call(what, seq, timeout, error=CheckpointError,
+                                          hint="; every rank writes its own shard")
 
 
 # -- layout helpers ---------------------------------------------------------------------------------------

@@ -14,13 +14,36 @@ accumulation they are the (averaged) sum so far. Stages 0/1 reduce gradients onl
 boundary, so there their gradients can be read or set only after the last micro step's backward; the
 first access reduces them (a collective, even for the local forms). Values are fp32, unscaled by the
 fp16 loss scale, on the compute device. A parameter the engine does not own (frozen, or not in the
-engine) gives None, as in DeepSpeed; setters ignore it.
+engine) gives None, as in DeepSpeed; setters ignore it. With ZERO_EXT_DEBUG=1 each full read first
+checks that every rank makes it for the same parameter (collective_check.py): a rank that skips one
+fails with an explanation instead of hanging.
 """
 import functools
+import itertools
 from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+from .collective_check import check_all_ranks_call, debug_enabled
+
+
+_FULL_CALLS = itertools.count(1)  # this process's full-form calls, matched across ranks in debug mode
+
+
+def _collective(fn):
+    """Full forms are collective. With ZERO_EXT_DEBUG=1 every call first checks that all ranks make it,
+    for the same parameter, and fails naming the mismatch instead of hanging in the all-reduce."""
+    @functools.wraps(fn)
+    def call(param, *args, **kwargs):
+        owner = getattr(param, "_zx_state", None)
+        if owner is not None and debug_enabled():
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            check_all_ranks_call(fn.__name__, next(_FULL_CALLS),
+                                 detail=f"group {owner[1]} parameter {owner[2]} of shape {shape}",
+                                 hint="; full forms gather every rank's fragment")
+        return fn(param, *args, **kwargs)
+    return call
 
 
 def _in_memory(modified: bool):
@@ -123,6 +146,7 @@ def _value(value: torch.Tensor, w: _Where) -> torch.Tensor:
 
 # -- read -------------------------------------------------------------------------------------------------
 
+@_collective
 @_in_memory(modified=False)
 def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
     """The fp32 master weights of param, full shape. Collective."""
@@ -130,6 +154,7 @@ def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
     return None if w is None else w.full(w.g.master.detach(), _shape(param))
 
 
+@_collective
 def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     """The averaged fp32 gradient of param, full shape, unscaled. Collective."""
     w = _where(param)
@@ -138,6 +163,7 @@ def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     return w.full(_grads(w, "safe_get_full_grad"), _shape(param)) / w.opt.cur_scale
 
 
+@_collective
 @_in_memory(modified=False)
 def safe_get_full_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
     """The optimizer state ``optim_state_key`` (e.g. "exp_avg") of param, full shape. Collective."""
