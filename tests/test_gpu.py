@@ -88,3 +88,55 @@ def test_engine_on_one_gpu_matches_the_cpu_reference(stage):
         assert (params[n] - p.detach()).abs().max().item() <= 1e-4 * (p.abs().max().item() + 1e-2)
     assert table["total"]["accelerator"] > 0 and table["total"]["host"] == 0
     assert table["total"]["accelerator"] <= allocated
+
+
+def _offload_on_gpu(stage, dtype, ratio):
+    """ZeRO-Offload on a GPU: masters and Adam state in (pinned) host memory, the C step, the bf16 upload."""
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": ratio}}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, sub_group_size=60)
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": dtype == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}}, "zero_optimization": zero}
+    engine, _, _, _ = zero_ext.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for _ in range(5):
+        x, y = (t.cuda() for t in MLP.batch(4, gen, dt))
+        engine.backward((engine(x) - y).pow(2).mean())
+        engine.step()
+    torch.cuda.synchronize()
+    table = engine.memory_breakdown()
+    allocated = torch.cuda.memory_allocated()
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    masters = [g.master for g in engine.optimizer.flat_groups]
+    pinned = all(m.is_pinned() for m, g in zip(masters, engine.optimizer.flat_groups) if g.offloaded)
+    return params, table, allocated, pinned
+
+
+@pytest.mark.parametrize("stage,dtype,ratio", [(2, "fp32", 1.0), (2, "bf16", 1.0), (3, "bf16", 1.0),
+                                               (3, "fp32", 0.5)])
+def test_offload_on_one_gpu_matches_the_cpu_reference_and_keeps_state_off_the_gpu(stage, dtype, ratio):
+    params, table, allocated, pinned = run_ranks(1, _offload_on_gpu, stage, dtype, ratio, timeout=300,
+                                                 init=False)[0]
+    torch.manual_seed(0)
+    ref = MLP()
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        x, y = MLP.batch(4, gen, torch.bfloat16 if dtype == "bf16" else torch.float32)
+        (ref(x.float()) - y.float()).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    tol = 1e-4 if dtype == "fp32" else 3e-2  # GPU kernels round differently; bf16 weights (2^-8)
+    for n, p in ref.named_parameters():
+        assert (params[n] - p.detach()).abs().max().item() <= tol * (p.abs().max().item() + 1e-2), n
+    assert pinned, "offloaded masters must be pinned with pin_memory on a CUDA machine"
+    if ratio == 1.0:  # the allocator holds no optimizer state and no fp32 master: they are in host memory
+        assert table["optimizer_state"]["accelerator"] == table["fp32_master"]["accelerator"] == 0, table
+    assert table["optimizer_state"]["host"] > 0
+    assert table["total"]["accelerator"] <= allocated
