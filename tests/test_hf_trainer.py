@@ -1,0 +1,286 @@
+"""Hugging Face transformers + accelerate on zero_ext, through the `deepspeed` compatibility package.
+
+The package (compat/) is installed with pip into a folder of this test's own, which each rank puts
+first on sys.path: transformers and accelerate then find a `deepspeed` module *and* distribution, as
+they require, and take their DeepSpeed path. Everything runs on 2 gloo CPU ranks (tests/harness.py),
+with a GPT-2 of 2 layers and 32 channels.
+
+Loss parity: HF's Trainer logs the loss of every optimizer step averaged over the ranks; with ZeRO-2
+and ZeRO-3 it must equal the loss of the same Trainer run under plain DDP (no DeepSpeed) within a
+relative 1e-5 (fp32; the sums run in a different order, nothing else differs).
+
+The CPU set-up: without a GPU accelerate picks no process-group backend when DeepSpeed is on and runs
+each rank as a world of one, so the ranks make accelerate's state themselves first with backend gloo
+(_deepspeed_state_on_cpu, the recipe README.md gives); with a GPU nothing of this is needed.
+"""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from harness import run_ranks
+
+# Only looked up, not imported: the ranks unpickle this module, and accelerate decides at import time
+# whether DeepSpeed is there, so it must first be imported after _use_compat.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
+    reason="needs transformers and accelerate (scripts/setup.sh installs them)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 300  # the first case imports transformers on each rank (many seconds on a loaded machine)
+RTOL = 1e-5
+
+ZERO2 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 2}}
+# ZeRO-3 with every value HF's Trainer can fill in left as "auto", and the optimizer from the config
+ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+         "train_batch_size": "auto", "gradient_clipping": "auto",
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                   "weight_decay": "auto"}},
+         "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                               "stage3_param_persistence_threshold": "auto",
+                               "stage3_gather_16bit_weights_on_model_save": True}}
+
+
+# -- the compat package, installed --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """A folder holding the compat package as pip installs it (built from a copy: the checkout stays
+    clean). The build's refusal to replace a real DeepSpeed is lifted: nothing is replaced here."""
+    base = tmp_path_factory.mktemp("compat")
+    src = shutil.copytree(os.path.join(ROOT, "compat"), base / "src",
+                          ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = base / "site"
+    env = {**os.environ, "ZERO_EXT_ALLOW_DEEPSPEED_OVERWRITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--no-index", "--target", str(target), str(src)], check=True, env=env)
+    return str(target)
+
+
+def _use_compat(site_dir):
+    if site_dir not in sys.path:
+        sys.path.insert(0, site_dir)
+    import deepspeed
+
+    assert deepspeed.__file__.startswith(site_dir), deepspeed.__file__
+
+
+def _quiet():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+# -- a Trainer run on each rank --------------------------------------------------------------------------
+
+def _tiny_gpt2():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+class _Tokens:
+    """16 sequences of 16 random tokens, each its own label (a torch Dataset)."""
+
+    def __init__(self):
+        import torch
+
+        self.x = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+def _reset_accelerate():
+    from accelerate.state import AcceleratorState, GradientState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    unset_hf_deepspeed_config()
+
+
+def _deepspeed_state_on_cpu():
+    """accelerate's state for DeepSpeed on gloo (see the module docstring); TrainingArguments then
+    takes it with accelerator_config={"use_configured_state": True}."""
+    from accelerate import PartialState
+
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    try:
+        PartialState(backend="gloo")
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"]
+    return {"accelerator_config": {"use_configured_state": True}}
+
+
+def _train(site_dir, out_dir, ds_config, save_steps=None, resume=None):
+    """Trains the tiny GPT-2 for 4 optimizer steps (micro batch 2, accumulation 2, 2 ranks); returns the
+    losses the Trainer logged, the kind of wrapper it trained and the engine's ZeRO stage."""
+    _use_compat(site_dir)
+    _quiet()
+    from transformers import Trainer, TrainingArguments
+
+    _reset_accelerate()
+    extra = _deepspeed_state_on_cpu() if ds_config is not None else {"use_cpu": True}  # DDP on gloo
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+        learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, deepspeed=ds_config,
+        dataloader_pin_memory=False, **extra)
+    trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens())
+    trainer.train(resume_from_checkpoint=resume)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    wrapped = trainer.model_wrapped
+    stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
+    kind = type(wrapped).__name__
+    if hasattr(wrapped, "destroy"):
+        wrapped.destroy()
+    _reset_accelerate()
+    return losses, kind, stage
+
+
+@pytest.fixture(scope="module")
+def ddp_losses(site, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ddp"))
+    results = run_ranks(2, _train, site, out, None, init=False, timeout=TIMEOUT)
+    losses, kind, _ = results[0]
+    assert kind == "DistributedDataParallel" and len(losses) == 4
+    return losses
+
+
+@pytest.fixture(scope="module")
+def zero3_run(site, tmp_path_factory):
+    """The ZeRO-3 run, saving a checkpoint every 2 steps (the resume test starts from the first one)."""
+    out = str(tmp_path_factory.mktemp("zero3"))
+    return out, run_ranks(2, _train, site, out, ZERO3, 2, init=False, timeout=TIMEOUT)
+
+
+def test_trainer_zero2_matches_ddp(site, ddp_losses, tmp_path):
+    for losses, kind, stage in run_ranks(2, _train, site, str(tmp_path), ZERO2, init=False, timeout=TIMEOUT):
+        assert (kind, stage) == ("ZeroEngine", 2)
+        assert losses == pytest.approx(ddp_losses, rel=RTOL)
+
+
+def test_trainer_zero3_with_auto_values_matches_ddp(zero3_run, ddp_losses):
+    _, results = zero3_run
+    for losses, kind, stage in results:
+        assert (kind, stage) == ("ZeroEngine", 3)
+        assert losses == pytest.approx(ddp_losses, rel=RTOL)
+
+
+def test_trainer_checkpoint_save_and_resume(site, zero3_run):
+    out, results = zero3_run
+    full = results[0][0]
+    ckpt = os.path.join(out, "checkpoint-2")
+    saved = set(os.listdir(ckpt))
+    # the 16-bit weights gathered from the partitions (stage3_gather_16bit_weights_on_model_save), the
+    # engine's checkpoint (every rank's shard) and the Trainer's own state
+    assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= saved, saved
+    for losses, kind, stage in run_ranks(2, _train, site, out, ZERO3, 2, ckpt, init=False, timeout=TIMEOUT):
+        # the log history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again and give the
+        # uninterrupted run's losses
+        assert losses == pytest.approx(full, rel=RTOL)
+
+
+def _saved_weights_match_gathered(site_dir, ckpt):
+    """Whether each tensor of the model.safetensors a ZeRO-3 Trainer checkpoint holds has its full shape
+    (gathered, not this rank's partition)."""
+    _use_compat(site_dir)
+    from safetensors.torch import load_file
+
+    sd = load_file(os.path.join(ckpt, "model.safetensors"))
+    ref = _tiny_gpt2().state_dict()
+    return {k: tuple(v.shape) == tuple(ref[k].shape) for k, v in sd.items()}
+
+
+def test_trainer_zero3_checkpoint_holds_full_16bit_weights(site, zero3_run):
+    out, _ = zero3_run
+    shapes = run_ranks(2, _saved_weights_match_gathered, site, os.path.join(out, "checkpoint-2"), init=False,
+                       timeout=TIMEOUT)[0]
+    assert shapes and all(shapes.values()), shapes
+
+
+# -- from_pretrained under ZeRO-3 (HfDeepSpeedConfig -> zero.Init) -----------------------------------------
+
+def _from_pretrained_zero3(site_dir, path):
+    """Rank 0 saves a model to `path`; each rank loads it plainly, then under ZeRO-3 (HfDeepSpeedConfig alive: from_pretrained builds the model
+    under deepspeed.zero.Init and rank 0 copies the checkpoint in through GatheredParameters); compares
+    the gathered weights and a forward-only engine's logits with the plain model's."""
+    _use_compat(site_dir)
+    _quiet()
+    import torch
+    import deepspeed
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    _reset_accelerate()
+    deepspeed.init_distributed(dist_backend="gloo")
+    if deepspeed.comm.get_rank() == 0:
+        model = _tiny_gpt2()
+        with torch.no_grad():  # weights unlike a fresh init, so that loading them is visible
+            for p in model.parameters():
+                p.add_(0.5)
+        model.save_pretrained(path)
+    deepspeed.comm.barrier()
+    plain = GPT2LMHeadModel.from_pretrained(path)
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = plain(x).logits
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    keep = HfDeepSpeedConfig(config)  # noqa: F841 - must stay alive while from_pretrained runs
+    assert is_deepspeed_zero3_enabled()
+    model = GPT2LMHeadModel.from_pretrained(path)
+    partitioned = all(hasattr(p, "ds_id") and p.ds_tensor.numel() < p.ds_numel for p in model.parameters())
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        diff = max((v - plain.state_dict()[k]).abs().max().item() for k, v in model.state_dict().items())
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    with torch.no_grad():
+        logits_diff = (engine(x).logits - want).abs().max().item()
+    engine.destroy()
+    del keep
+    _reset_accelerate()
+    return partitioned, diff, logits_diff
+
+
+def test_from_pretrained_under_zero3_loads_the_saved_weights(site, tmp_path):
+    for partitioned, diff, logits_diff in run_ranks(2, _from_pretrained_zero3, site, str(tmp_path), init=False,
+                                                   timeout=TIMEOUT):
+        assert partitioned
+        assert diff == 0.0  # copied, not recomputed
+        assert logits_diff < 1e-5
+
+
+# -- what transformers and accelerate check before their DeepSpeed path -------------------------------------
+
+def _probe(site_dir):
+    _use_compat(site_dir)
+    import importlib.metadata
+
+    import deepspeed
+    from accelerate.utils import is_deepspeed_available as accelerate_sees
+    from accelerate.utils.versions import compare_versions
+    from transformers.integrations.deepspeed import is_deepspeed_available as transformers_sees
+    from transformers.utils.versions import require_version
+
+    require_version("deepspeed>=0.9.3")  # transformers' dep_version_check
+    return {"version": importlib.metadata.version("deepspeed"), "module_version": deepspeed.__version__,
+            "transformers": transformers_sees(), "accelerate": accelerate_sees(),
+            "new_enough": compare_versions("deepspeed", ">=", "0.9.3")}
+
+
+def test_transformers_and_accelerate_detect_the_compat_package(site):
+    found = run_ranks(2, _probe, site, init=False, timeout=TIMEOUT)[0]
+    assert found == {"version": "0.19.6+zeroext.0.1.0", "module_version": "0.19.6+zeroext.0.1.0",
+                     "transformers": True, "accelerate": True, "new_enough": True}
