@@ -15,12 +15,11 @@ each rank as a world of one, so the ranks make accelerate's state themselves fir
 """
 import importlib.util
 import os
-import shutil
-import subprocess
 import sys
 
 import pytest
 
+from compat_site import install_compat
 from harness import run_ranks
 
 # Only looked up, not imported: the ranks unpickle this module, and accelerate decides at import time
@@ -29,7 +28,6 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
     reason="needs transformers and accelerate (scripts/setup.sh installs them)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 300  # the first case imports transformers on each rank (many seconds on a loaded machine)
 RTOL = 1e-5
 
@@ -49,16 +47,8 @@ ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps"
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    """A folder holding the compat package as pip installs it (built from a copy: the checkout stays
-    clean). The build's refusal to replace a real DeepSpeed is lifted: nothing is replaced here."""
-    base = tmp_path_factory.mktemp("compat")
-    src = shutil.copytree(os.path.join(ROOT, "compat"), base / "src",
-                          ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    target = base / "site"
-    env = {**os.environ, "ZERO_EXT_ALLOW_DEEPSPEED_OVERWRITE": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                    "--no-index", "--target", str(target), str(src)], check=True, env=env)
-    return str(target)
+    """A folder holding the compat package as pip installs it."""
+    return install_compat(str(tmp_path_factory.mktemp("compat")))
 
 
 def _use_compat(site_dir):
