@@ -96,3 +96,17 @@ def test_import_refuses_files_mixed_with_a_real_deepspeed_record(site, tmp_path)
                                           ("0.19.6+zero.ext", True), ("0.16.0", False), ("0.16.0+cu121", False)])
 def test_version_label(version, ours):
     assert zx_backend.is_ours(version) is ours
+
+
+def test_deepspeed_command_is_the_one_node_launcher(site, tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, ROOT])}
+    done = subprocess.run([os.path.join(site, "bin", "deepspeed"), "--num_gpus", "2", str(script), "--x", "1"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == ["0 2 ['--x', '1', '--local_rank=0']",
+                                                "1 2 ['--x', '1', '--local_rank=1']"]
+    refused = subprocess.run([os.path.join(site, "bin", "deepspeed"), "--hostfile", "hosts", str(script)],
+                             env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "unrecognized arguments: --hostfile" in refused.stderr
