@@ -6,13 +6,6 @@ accelerate) find this package and call zero_ext through it. It is not Microsoft 
 """
 import importlib.metadata as _metadata
 
-try:
-    import zero_ext as _zero_ext
-except ImportError as _err:  # pragma: no cover - the message is the point
-    raise ImportError("this 'deepspeed' package is zero_ext's compatibility layer and needs zero_ext: build it "
-                      "from its checkout (pip install -e <zero_ext checkout>, or scripts/setup.sh there)") from _err
-
-
 def _installed_version():
     """The version the installed metadata gives, and a refusal when that metadata is not ours: files of
     this package under another 'deepspeed' distribution's record mean two installs were mixed."""
@@ -27,7 +20,13 @@ def _installed_version():
     return version
 
 
-__version__ = _installed_version()
+__version__ = _installed_version()  # checked before zero_ext (and torch) is imported: a mixed install fails fast
+
+try:
+    import zero_ext as _zero_ext
+except ImportError as _err:  # pragma: no cover - the message is the point
+    raise ImportError("this 'deepspeed' package is zero_ext's compatibility layer and needs zero_ext: build it "
+                      "from its checkout (pip install -e <zero_ext checkout>, or scripts/setup.sh there)") from _err
 __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __version__.split("+")[0].split(".")[:3])
 
 from zero_ext import (DeepSpeedEngine, OffloadDeviceEnum, OffloadStateTypeEnum, ZeroEngine,  # noqa: E402,F401
