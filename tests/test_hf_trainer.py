@@ -115,21 +115,31 @@ def _deepspeed_state_on_cpu():
     return {"accelerator_config": {"use_configured_state": True}}
 
 
-def _train(site_dir, out_dir, ds_config, save_steps=None, resume=None):
+def _train(site_dir, out_dir, ds_config, save_steps=None, resume=None, pretrained=False):
     """Trains the tiny GPT-2 for 4 optimizer steps (micro batch 2, accumulation 2, 2 ranks); returns the
-    losses the Trainer logged, the kind of wrapper it trained and the engine's ZeRO stage."""
+    losses the Trainer logged, the kind of wrapper it trained and the engine's ZeRO stage. ``pretrained``:
+    rank 0 saves the model first, and every rank loads it with from_pretrained after the TrainingArguments
+    exist (under a ZeRO-3 config: built partitioned by deepspeed.zero.Init, rank 0 copying the weights in)."""
     _use_compat(site_dir)
     _quiet()
-    from transformers import Trainer, TrainingArguments
+    import torch.distributed as dist
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
     _reset_accelerate()
     extra = _deepspeed_state_on_cpu() if ds_config is not None else {"use_cpu": True}  # DDP on gloo
+    path = os.path.join(out_dir, "pretrained")
+    if pretrained:
+        if dist.get_rank() == 0:
+            _tiny_gpt2().save_pretrained(path)
+        dist.barrier()
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
         learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, deepspeed=ds_config,
         dataloader_pin_memory=False, **extra)
-    trainer = Trainer(model=_tiny_gpt2(), args=args, train_dataset=_Tokens())
+    model = GPT2LMHeadModel.from_pretrained(path) if pretrained else _tiny_gpt2()
+    partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+    trainer = Trainer(model=model, args=args, train_dataset=_Tokens())
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = trainer.model_wrapped
@@ -138,7 +148,7 @@ def _train(site_dir, out_dir, ds_config, save_steps=None, resume=None):
     if hasattr(wrapped, "destroy"):
         wrapped.destroy()
     _reset_accelerate()
-    return losses, kind, stage
+    return losses, kind, (stage, partitioned)
 
 
 @pytest.fixture(scope="module")
@@ -152,21 +162,22 @@ def ddp_losses(site, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero3_run(site, tmp_path_factory):
-    """The ZeRO-3 run, saving a checkpoint every 2 steps (the resume test starts from the first one)."""
+    """The ZeRO-3 run of a model loaded with from_pretrained (built partitioned), saving a checkpoint
+    every 2 steps (the resume test starts from the first one)."""
     out = str(tmp_path_factory.mktemp("zero3"))
-    return out, run_ranks(2, _train, site, out, ZERO3, 2, init=False, timeout=TIMEOUT)
+    return out, run_ranks(2, _train, site, out, ZERO3, 2, pretrained=True, init=False, timeout=TIMEOUT)
 
 
 def test_trainer_zero2_matches_ddp(site, ddp_losses, tmp_path):
     for losses, kind, stage in run_ranks(2, _train, site, str(tmp_path), ZERO2, init=False, timeout=TIMEOUT):
-        assert (kind, stage) == ("ZeroEngine", 2)
+        assert (kind, stage) == ("ZeroEngine", (2, False))
         assert losses == pytest.approx(ddp_losses, rel=RTOL)
 
 
-def test_trainer_zero3_with_auto_values_matches_ddp(zero3_run, ddp_losses):
+def test_trainer_zero3_with_auto_values_on_a_from_pretrained_model_matches_ddp(zero3_run, ddp_losses):
     _, results = zero3_run
     for losses, kind, stage in results:
-        assert (kind, stage) == ("ZeroEngine", 3)
+        assert (kind, stage) == ("ZeroEngine", (3, True))  # the model was partitioned as it was built
         assert losses == pytest.approx(ddp_losses, rel=RTOL)
 
 
@@ -178,7 +189,8 @@ def test_trainer_checkpoint_save_and_resume(site, zero3_run):
     # the 16-bit weights gathered from the partitions (stage3_gather_16bit_weights_on_model_save), the
     # engine's checkpoint (every rank's shard) and the Trainer's own state
     assert {"model.safetensors", "latest", "global_step2", "trainer_state.json"} <= saved, saved
-    for losses, kind, stage in run_ranks(2, _train, site, out, ZERO3, 2, ckpt, init=False, timeout=TIMEOUT):
+    for losses, kind, stage in run_ranks(2, _train, site, out, ZERO3, 2, ckpt, pretrained=True, init=False,
+                                         timeout=TIMEOUT):
         # the log history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again and give the
         # uninterrupted run's losses
         assert losses == pytest.approx(full, rel=RTOL)
