@@ -158,3 +158,23 @@ def test_save_16bit_model_writes_the_gathered_weights_as_safetensors(tmp_path):
     assert all(torch.equal(on_disk[n], v) for n, v in full.items())
     saved, _ = run_ranks(2, _save_16bit, str(tmp_path / "no"), False)[0]
     assert not saved and not os.path.exists(tmp_path / "no")
+
+
+def _step_twice(stage):
+    """A second step() in a micro step, amid accumulation: a warning, not the outside-backward error."""
+    import warnings
+
+    engine = _engine(stage)  # accumulation over 2 micro steps
+    engine.backward(engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0))))
+    engine.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.step()
+    engine.destroy()
+    return [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_second_step_amid_accumulation_only_warns(stage):
+    for messages in run_ranks(2, _step_twice, stage):
+        assert len(messages) == 1 and "before engine.backward()" in messages[0]

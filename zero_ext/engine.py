@@ -189,6 +189,8 @@ class ZeroEngine(torch.nn.Module):
         """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
         called ``loss.backward()`` itself (unscaled for accumulation and fp16, and uncounted). Collective:
         every rank reaches this step() the same way, and all must agree to raise."""
+        if self.optimizer.grads_valid:  # engine.backward() ran earlier in this accumulation: its gradients
+            return
         groups = self.optimizer.flat_groups
         found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
         if self.world_size > 1:
