@@ -214,6 +214,91 @@ def test_trainer_zero3_checkpoint_holds_full_16bit_weights(site, zero3_run):
     assert shapes and all(shapes.values()), shapes
 
 
+def _evaluate(site_dir, out_dir, ds_config):
+    """Trainer.evaluate() before any training: under ZeRO-3 transformers builds a forward-only engine
+    (deepspeed_init(inference=True): no optimizer, no scheduler)."""
+    _use_compat(site_dir)
+    _quiet()
+    from transformers import Trainer, TrainingArguments
+
+    _reset_accelerate()
+    extra = _deepspeed_state_on_cpu() if ds_config is not None else {"use_cpu": True}
+    args = TrainingArguments(output_dir=out_dir, per_device_eval_batch_size=4, report_to=[], disable_tqdm=True,
+                             deepspeed=ds_config, dataloader_pin_memory=False, **extra)
+    trainer = Trainer(model=_tiny_gpt2(), args=args, eval_dataset=_Tokens())
+    loss = trainer.evaluate()["eval_loss"]
+    wrapped = trainer.model_wrapped
+    optimizer = getattr(wrapped, "optimizer", "none") if hasattr(wrapped, "zero_optimization_stage") else "ddp"
+    if hasattr(wrapped, "destroy"):
+        wrapped.destroy()
+    _reset_accelerate()
+    return loss, optimizer
+
+
+def test_trainer_evaluate_under_zero3_matches_ddp(site, tmp_path):
+    (plain, _), _ = run_ranks(2, _evaluate, site, str(tmp_path), None, init=False, timeout=TIMEOUT)
+    for loss, optimizer in run_ranks(2, _evaluate, site, str(tmp_path), ZERO3, init=False, timeout=TIMEOUT):
+        assert optimizer is None  # a forward-only engine
+        assert loss == pytest.approx(plain, rel=RTOL)
+
+
+# -- accelerate without the Trainer -------------------------------------------------------------------------
+
+def _accelerate_pass(accelerator, model, optimizer, loader):
+    import torch
+
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    with torch.no_grad():
+        return {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def _prepared(stage):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    _reset_accelerate()
+    _deepspeed_state_on_cpu()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3}}
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    model = _tiny_gpt2()
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=2)
+    return (accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loader))
+
+
+def _accelerate_save_and_load_state(site_dir, out_dir, stage):
+    """A plain accelerate loop (prepare, accumulate, backward, step): one pass, save_state, a second pass;
+    then a fresh Accelerator and engine load_state and run the second pass again."""
+    _use_compat(site_dir)
+    _quiet()
+    accelerator, model, optimizer, loader = _prepared(stage)
+    _accelerate_pass(accelerator, model, optimizer, loader)
+    accelerator.save_state(os.path.join(out_dir, "state"))
+    after_two = _accelerate_pass(accelerator, model, optimizer, loader)
+    steps = model.global_steps
+    model.destroy()
+    accelerator, model, optimizer, loader = _prepared(stage)
+    accelerator.load_state(os.path.join(out_dir, "state"))
+    again = _accelerate_pass(accelerator, model, optimizer, loader)
+    diff = max((again[k] - v).abs().max().item() for k, v in after_two.items())
+    model.destroy()
+    _reset_accelerate()
+    return steps, diff
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_accelerate_loop_save_state_and_load_state(site, tmp_path, stage):
+    for steps, diff in run_ranks(2, _accelerate_save_and_load_state, site, str(tmp_path), stage, init=False,
+                                 timeout=TIMEOUT):
+        assert steps == 4  # 2 passes of 4 micro batches, accumulating 2
+        assert diff < 1e-6
+
+
 # -- from_pretrained under ZeRO-3 (HfDeepSpeedConfig -> zero.Init) -----------------------------------------
 
 def _from_pretrained_zero3(site_dir, path):
