@@ -100,6 +100,7 @@ def _reset_accelerate():
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     unset_hf_deepspeed_config()
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)  # Accelerator(deepspeed_plugin=...) sets it and leaves it
 
 
 def _deepspeed_state_on_cpu():
