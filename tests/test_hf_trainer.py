@@ -5,6 +5,10 @@ first on sys.path: transformers and accelerate then find a `deepspeed` module *a
 they require, and take their DeepSpeed path. Everything runs on 2 gloo CPU ranks (tests/harness.py),
 with a GPT-2 of 2 layers and 32 channels.
 
+Cases: Trainer at ZeRO-2 and at ZeRO-3 ("auto" values, a from_pretrained model) against DDP; checkpoint
+save and resume; evaluate() under ZeRO-3; from_pretrained under ZeRO-3 (HfDeepSpeedConfig -> zero.Init);
+a plain accelerate loop's save_state/load_state; what the libraries check to find DeepSpeed.
+
 Loss parity: HF's Trainer logs the loss of every optimizer step averaged over the ranks; with ZeRO-2
 and ZeRO-3 it must equal the loss of the same Trainer run under plain DDP (no DeepSpeed) within a
 relative 1e-5 (fp32; the sums run in a different order, nothing else differs).
