@@ -49,4 +49,38 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ] || [ "$installed" != "$here/ze
 	(cd / && "$PY" -c 'import zero_ext._C') || { say "the build did not produce zero_ext._C"; exit 1; }
 	echo "$digest" > "$stamp"
 fi
+# Hugging Face: transformers and accelerate (each only if it does not import), then zero_ext's `deepspeed`
+# compatibility package (compat/, editable) so that they take their DeepSpeed path into zero_ext. A real
+# DeepSpeed already installed is left alone (compat/ would replace it; its build refuses to).
+hf_missing=$("$PY" - <<'PYEOF'
+import importlib.util
+print(" ".join(m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None))
+PYEOF
+)
+if [ -n "$hf_missing" ]; then
+	say "installing $hf_missing"
+	"$PY" -m pip install --quiet $hf_missing
+fi
+deepspeed_state=$(cd / && "$PY" - "$here/compat" <<'PYEOF'
+import importlib.metadata as m, os, sys
+try:
+    dist = m.distribution("deepspeed")
+except m.PackageNotFoundError:
+    print("missing"); sys.exit()
+if "zeroext" not in dist.version.split("+", 1)[-1].replace("_", "").replace(".", ""):
+    print("foreign " + dist.version); sys.exit()
+import importlib.util
+spec = importlib.util.find_spec("deepspeed")
+where = os.path.dirname(os.path.dirname(os.path.realpath(spec.origin))) if spec and spec.origin else ""
+print("ours" if where == os.path.realpath(sys.argv[1]) else "elsewhere")
+PYEOF
+)
+case "$deepspeed_state" in
+	missing|elsewhere)
+		say "installing zero_ext's deepspeed compatibility package (pip install -e compat)"
+		"$PY" -m pip install --quiet --no-build-isolation --no-deps -e compat 2>&1 | grep -v "Running pip as the 'root' user" || true
+		(cd / && "$PY" -c 'import deepspeed, zero_ext') || { say "the compat package does not import"; exit 1; } ;;
+	foreign*)
+		say "a real DeepSpeed (${deepspeed_state#foreign }) is installed: zero_ext's compat package was not installed over it (see README, Using with Hugging Face)" ;;
+esac
 say "ready"

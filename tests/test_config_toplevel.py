@@ -301,3 +301,17 @@ def test_disabled_ignored_sections_do_not_warn():
 def test_feature_sections_load_with_their_own_keys(source, attr):
     section = getattr(load_config(source), attr)
     assert (section.deepcompile if attr == "compile" else section.enabled) is True
+
+
+def test_steps_per_print_infinity_means_never():
+    # accelerate writes float("inf") there to silence DeepSpeed's progress log
+    assert load_config({"train_batch_size": 1, "steps_per_print": float("inf")}).steps_per_print is None
+    with pytest.raises(ConfigError, match="steps_per_print"):
+        load_config({"train_batch_size": 1, "steps_per_print": float("nan")})
+
+
+def test_get_reads_the_config_as_given_and_batch_keys_resolved():
+    # DeepSpeed's engine.config is the user's dict; transformers calls .get on it
+    cfg = load_config({"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}, world_size=2)
+    assert cfg.get("zero_optimization", {}).get("stage") == 2
+    assert cfg.get("train_batch_size") == 4 and cfg.get("absent", "x") == "x"

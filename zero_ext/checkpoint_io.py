@@ -114,3 +114,16 @@ def verified_load(tag_dir: str, name: str, manifest: Dict[str, Any], check: bool
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a damaged file
         raise CheckpointError(f"{path} cannot be read: {exc}") from None
+
+
+def clone_tensors_for_torch_save(item, device=torch.device("cpu")):
+    """``item`` (a tensor, or lists / tuples / dicts of them) with every tensor cloned to ``device``, so that
+    torch.save writes each tensor's own values rather than the whole storage a view shares
+    (DeepSpeed's ``deepspeed.checkpoint.utils.clone_tensors_for_torch_save``)."""
+    if torch.is_tensor(item):
+        return item.detach().clone().to(device)
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
+    return item

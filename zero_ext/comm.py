@@ -144,6 +144,16 @@ def get_local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+# DeepSpeed's ``deepspeed.comm`` also re-exports torch.distributed's calls; libraries (transformers,
+# accelerate) use these few. They are torch.distributed's own, on the default group.
+is_initialized = dist.is_initialized
+barrier = dist.barrier
+broadcast = dist.broadcast
+all_reduce = dist.all_reduce
+all_gather = dist.all_gather
+ReduceOp = dist.ReduceOp
+
+
 def add_config_arguments(parser):
     """DeepSpeed's command-line arguments (--deepspeed, --deepspeed_config, and the deprecated
     --deepscale / --deepscale_config), so scripts written for DeepSpeed parse unchanged."""

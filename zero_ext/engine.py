@@ -206,6 +206,24 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer.grads_valid = True
         return loss
 
+    def _refuse_gradients_from_outside_backward(self) -> None:
+        """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
+        called ``loss.backward()`` itself (unscaled for accumulation and fp16, and uncounted). Collective:
+        every rank reaches this step() the same way, and all must agree to raise."""
+        if self.optimizer.grads_valid:  # engine.backward() ran earlier in this accumulation: its gradients
+            return
+        groups = self.optimizer.flat_groups
+        found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
+        if self.world_size > 1:
+            flag = torch.tensor([1.0 if found else 0.0], device=self.device)  # (offloaded grads live on the host)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            found = bool(flag.item())
+        if found:
+            raise RuntimeError("engine.step(): the parameters have gradients, but engine.backward() was not called "
+                               "since the last step: call engine.backward(loss) instead of loss.backward(). The "
+                               "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
+                               "there; gradients from a plain loss.backward() would be applied wrongly")
+
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
@@ -221,6 +239,7 @@ class ZeroEngine(torch.nn.Module):
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
                                "must be reduced before a step)")
         if not self._backward_since_step:
+            self._refuse_gradients_from_outside_backward()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
                           "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=2)
             self._step_applied = False
@@ -290,6 +309,15 @@ class ZeroEngine(torch.nn.Module):
 
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """Whether the parameters are partitioned (stage 3)."""
+        return self.zero_optimization_stage() >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """zero_optimization.gather_16bit_weights_on_model_save: whether a 16-bit save of a ZeRO-3 model
+        gathers the weights (accelerate asks before calling _zero3_consolidated_16bit_state_dict)."""
+        return self._config.zero_optimization.gather_16bit_weights_on_model_save
 
     @property
     def config(self):

@@ -83,7 +83,7 @@ class DeepSpeedConfig(ConfigModel):
         "client optimizer).")
     # -- logging / data --------------------------------------------------------------------------
     steps_per_print: Optional[Int] = option(
-        None, "Log progress every N optimizer steps (null: never).", ge=1)
+        None, "Log progress every N optimizer steps (null or Infinity: never).", ge=1)
     wall_clock_breakdown: bool = option(False, "Time forward/backward/step and log it.")
     dataloader_drop_last: bool = option(
         False, "The engine's data loader drops the last incomplete batch.")
@@ -134,6 +134,12 @@ class DeepSpeedConfig(ConfigModel):
     @classmethod
     def _comm_dtype(cls, value: Any) -> Any:
         return _comm_dtype(value)
+
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _never_print(cls, value: Any) -> Any:
+        # accelerate writes float("inf") to mean "never" (DeepSpeed compares, so inf never matches)
+        return None if isinstance(value, float) and value == float("inf") else value
 
     @field_validator("gradient_allreduce_op", mode="before")
     @classmethod
@@ -200,6 +206,14 @@ class DeepSpeedConfig(ConfigModel):
     def raw(self) -> Dict[str, Any]:
         """The config exactly as given (a dict; a deep copy, so mutating it changes nothing)."""
         return copy.deepcopy(self._raw)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key of the config as given (a deep copy), as on DeepSpeed's ``engine.config``,
+        which is the user's dict: transformers' Trainer reads
+        ``engine.config.get("zero_optimization", {}).get("stage")``. Batch keys give their resolved values."""
+        if key in batch.BATCH_KEYS and self.__dict__.get(key) is not None:
+            return self.__dict__[key]
+        return copy.deepcopy(self._raw.get(key, default))
 
     @property
     def auto_resolved(self) -> Dict[str, Any]:

@@ -1,7 +1,13 @@
-"""DeepSpeed's ``deepspeed.utils`` names: the state routines (safe_get_* / safe_set_*) and ``zero_to_fp32``."""
+"""DeepSpeed's ``deepspeed.utils`` names: the state routines (safe_get_* / safe_set_*), ``zero_to_fp32``,
+ZeRO-3 leaf modules and ``logger`` (the ``zero_ext`` logger; transformers sets its level)."""
+import logging
+
 from ..state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,  # noqa: F401
                      safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
                      safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state,
                      safe_set_local_fp32_param, safe_set_local_grad, safe_set_local_optimizer_state,
                      safe_update_full_grad_vectorized)
 from . import zero_to_fp32  # noqa: F401
+from ..zero.leaf import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules  # noqa: F401
+
+logger = logging.getLogger("zero_ext")

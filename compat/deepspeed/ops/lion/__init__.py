@@ -1,0 +1,2 @@
+"""``deepspeed.ops.lion``."""
+from zero_ext.ops.lion import DeepSpeedCPULion  # noqa: F401

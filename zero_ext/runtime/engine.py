@@ -1,0 +1,4 @@
+"""``deepspeed.runtime.engine`` names."""
+from ..engine import ZeroEngine
+
+DeepSpeedEngine = ZeroEngine
