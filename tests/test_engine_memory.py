@@ -23,7 +23,8 @@ def _expected(stage, dtype, world, psi, frozen_bytes, buffer_bytes, bucket_numel
         "fp32_grads": 0 if dtype == "fp32" and stage < 2 else 4 * shard,
         "optimizer_state": 8 * shard,  # Adam: exp_avg + exp_avg_sq in fp32
         # stage 3's buckets live only while they are reduced
-        "comm_buffers": lp * bucket_numel * (2 if overlap else 1) if stage == 2 else 0,
+        # (one rank reduces nothing: its gradients go straight into the fp32 partition, no bucket)
+        "comm_buffers": lp * bucket_numel * (2 if overlap else 1) if stage == 2 and world > 1 else 0,
         "buffers": buffer_bytes,
     }
     return exp

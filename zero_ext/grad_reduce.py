@@ -225,6 +225,13 @@ class BucketReducer(StreamingReducer):
         if not members:
             return
         self.bucket = _Bucket()
+        if self.world == 1:  # nothing to reduce: straight from each gradient into the fp32 partition
+            for gi, i in members:
+                grad = self.groups[gi].params[i].grad.reshape(-1)
+                for _, poff, partoff, length in self.runs[(gi, i)]:
+                    accumulate(self.groups[gi].grad[partoff:partoff + length], grad[poff:poff + length], 1.0)
+                self.groups[gi].params[i].grad = None
+            return
         # owner-major layout: each rank's runs back to back, ranks in order
         by_owner: List[List[Tuple[int, int, int, int, int]]] = [[] for _ in range(self.world)]
         for gi, i in members:
