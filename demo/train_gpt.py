@@ -165,6 +165,7 @@ def main():
         if args.checkpoint:
             print(f"\ncheckpoint saved in {args.checkpoint} at step {engine.global_steps}; run the same command "
                   "again to resume from it")
+    dist.barrier()  # every rank done with its collectives before any tears the process group down
     engine.destroy()
     dist.destroy_process_group()
 
