@@ -118,9 +118,17 @@ class ZeroOptimizer:
         self.grads_valid = False
 
     def grad_sq_norm(self) -> float:
-        """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank."""
-        sq = sum((g.grad_sq_norm() for g in self.flat_groups), torch.zeros((), dtype=torch.float64,
-                                                                            device=self._device()))
+        """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank.
+        Gradient partitions in host memory (ZeRO-Offload, or a CPU run with the C optimizer) are summed
+        by the C kernel (every core, fp64 accumulation, one pass at memory speed)."""
+        if self._fused():
+            from .ops.functional import grad_sqnorm
+
+            local = sum(grad_sqnorm(g.grad) for g in self.flat_groups)
+            sq = torch.tensor(local, dtype=torch.float64, device=self._device())
+        else:
+            sq = sum((g.grad_sq_norm() for g in self.flat_groups), torch.zeros((), dtype=torch.float64,
+                                                                                device=self._device()))
         if self.stage >= 1 and self.world > 1:
             dist.all_reduce(sq, group=self.pg)
         return sq.item()
