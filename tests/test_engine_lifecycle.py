@@ -125,3 +125,74 @@ def test_launcher_starts_ranks_with_local_rank_and_stops_the_rest_on_failure(tmp
     bad = subprocess.run([sys.executable, "-m", "zero_ext.launcher", "--num_procs", "2", str(script), "--fail"],
                          capture_output=True, text=True, timeout=60, env=env)
     assert bad.returncode == 3
+
+
+# -- destroy(): nothing left behind ------------------------------------------------------------------------
+
+def _hooks_on(model):
+    """Every hook a module or parameter can carry, counted."""
+    count = 0
+    for m in model.modules():
+        count += len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        count += len(getattr(m, "_backward_pre_hooks", {}))
+    for p in model.parameters():
+        count += len(p._backward_hooks or {}) + len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+    return count
+
+
+def _create_destroy_cycles(stage, offload, cycles):
+    """Builds, trains and destroys an engine `cycles` times; returns what each cycle left behind."""
+    import gc
+    import tempfile
+    import weakref
+
+    import torch.nn.functional as F
+
+    import zero_ext
+
+    patched = (F.linear, torch.Tensor.__torch_function__, torch.nn.Module.apply, torch.empty, torch.zeros)
+    rank = torch.distributed.get_rank()
+    out = []
+    for cycle in range(cycles):
+        torch.manual_seed(0)
+        model = MLP()
+        zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+        if offload == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu"}
+        elif offload == "nvme":
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
+        engine, opt, _, _ = zero_ext.initialize(model=model, config={
+            "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        x, y = MLP.batch(2, torch.Generator().manual_seed(rank))
+        engine.backward(engine.module.loss((x, y)))
+        engine.step()
+        swap_dir = opt.nvme.swapper.dir.path if opt.nvme is not None else None
+        watched = [weakref.ref(engine), weakref.ref(opt), weakref.ref(opt.optimizer)]
+        watched += [weakref.ref(g.grad) for g in opt.flat_groups]
+        watched += [weakref.ref(t) for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        # a master that is not the parameters' own storage (bf16, offload) must go too
+        watched += [weakref.ref(g.master) for g in opt.flat_groups if g.master.data_ptr() != g.flat.data_ptr()]
+        engine.destroy()
+        try:
+            engine.step()
+        except RuntimeError as exc:
+            refused = "was destroyed" in str(exc)
+        with zero_ext.zero.GatheredParameters(list(model.parameters())):  # (stage 3: still partitioned)
+            plain = model(x)  # the module runs without the engine
+        del engine, opt
+        gc.collect()
+        out.append({"alive": sum(r() is not None for r in watched), "hooks": _hooks_on(model), "refused": refused,
+                    "swap_dir_left": swap_dir is not None and os.path.exists(swap_dir),
+                    "finite": bool(torch.isfinite(plain).all())})
+    unpatched = patched == (F.linear, torch.Tensor.__torch_function__, torch.nn.Module.apply, torch.empty,
+                            torch.zeros)
+    return out, unpatched
+
+
+@pytest.mark.parametrize("stage,offload", [(0, None), (1, "cpu"), (2, None), (2, "nvme"), (3, None), (3, "cpu")])
+def test_destroy_leaves_no_hook_no_patch_no_swap_file_and_frees_the_engine(stage, offload):
+    for cycles, unpatched in run_ranks(2, _create_destroy_cycles, stage, offload, 3):
+        assert unpatched
+        for c in cycles:
+            assert c == {"alive": 0, "hooks": 0, "refused": True, "swap_dir_left": False, "finite": True}, c

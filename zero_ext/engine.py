@@ -149,6 +149,9 @@ class ZeroEngine(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _require_optimizer(self, what: str) -> None:
+        if getattr(self, "_destroyed", False):
+            raise RuntimeError(f"engine.{what}: this engine was destroyed (engine.destroy()); build a new one with "
+                               "zero_ext.initialize")
         if self.optimizer is None:
             raise RuntimeError(f"engine.{what}: this engine has no optimizer (initialize was given none and the "
                                "config has no 'optimizer' section): it runs forward only")
@@ -452,12 +455,18 @@ class ZeroEngine(torch.nn.Module):
         reload_states(self, non_blocking)
 
     def destroy(self) -> None:
-        """Removes the hooks the engine installed (stage 2 gradient hooks; stage 3 module hooks)."""
+        """Removes every hook the engine installed (stage 2 gradient hooks; stage 3 module hooks), removes
+        NVMe swap files, and frees the optimizer's state, gradient partitions and buffers even while the
+        engine object is still referenced. The module keeps its trained weights: stages 0-2 as plain
+        parameters; stage 3 partitioned (as in DeepSpeed: read them under GatheredParameters, or make them
+        whole with zero_ext.zero.unpartition). backward()/step() afterwards are errors."""
         remove = getattr(getattr(self.optimizer, "reducer", None), "remove_hooks", None)
         if remove:
             remove()
         if self.optimizer is not None:
             self.optimizer.destroy_offload()
+            self.optimizer.release()
         if self.zero_model is not None:
             self.zero_model.destroy()
             self.zero_model = None
+        self._destroyed = True

@@ -273,6 +273,23 @@ class ZeroOptimizer:
         masters = sum((g.hi - g.lo) * 4 for g in self.flat_groups)
         return masters, masters * len(self.optimizer.state_keys)
 
+    def release(self) -> None:
+        """engine.destroy(): drops the optimizer state, gradient partitions and communication buffers. The
+        parameters' own storage (and an fp32 master that is that storage) stays with the model."""
+        self.optimizer.state.clear()
+        for g in self.flat_groups:
+            g.master.grad = None
+            g.grad = None
+            if g.lp_grad is not None:
+                for p in g.params:
+                    p.grad = None
+                g.lp_grad = None
+            if getattr(g, "staging", None) is not None:
+                g.staging = None
+        if hasattr(self.reducer, "buffers"):
+            self.reducer.buffers = []
+        self.grads_valid = False
+
     def destroy_offload(self) -> None:
         """Removes the NVMe swap files (engine.destroy())."""
         if self.nvme is not None:
