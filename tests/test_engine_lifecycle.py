@@ -196,3 +196,35 @@ def test_destroy_leaves_no_hook_no_patch_no_swap_file_and_frees_the_engine(stage
         assert unpatched
         for c in cycles:
             assert c == {"alive": 0, "hooks": 0, "refused": True, "swap_dir_left": False, "finite": True}, c
+
+
+def _destroy_then_unpartition():
+    import zero_ext
+    from zero_ext.zero import is_zero_param
+
+    torch.manual_seed(0)
+    model = MLP()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, _, _, _ = zero_ext.initialize(model=model, config=config)
+    x, y = MLP.batch(2, torch.Generator().manual_seed(torch.distributed.get_rank()))
+    engine.backward(engine.module.loss((x, y)))
+    engine.step()
+    with zero_ext.zero.GatheredParameters(list(model.parameters())):
+        trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    zero_ext.zero.unpartition(model)
+    plain = not any(is_zero_param(p) or hasattr(p, "ds_tensor") for p in model.parameters())
+    same = all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    out = model(x)  # a plain module: no gathering needed
+    # and it can start over under another stage
+    engine2, _, _, _ = zero_ext.initialize(model=model, config={**config, "zero_optimization": {"stage": 2}})
+    engine2.backward(engine2.module.loss((x, y)))
+    engine2.step()
+    engine2.destroy()
+    return plain, same, tuple(out.shape)
+
+
+def test_unpartition_after_destroy_gives_a_plain_module_with_the_trained_weights():
+    for plain, same, shape in run_ranks(2, _destroy_then_unpartition):
+        assert plain and same and shape == (2, 5)

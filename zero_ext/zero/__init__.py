@@ -24,9 +24,10 @@ from .status import TrainingPhase, ZeroParamStatus
 from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
                    z3_leaf_parameter)
 from .tiling import TiledLinear
+from .unpartition import unpartition
 
 __all__ = [
-    "Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+    "Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
     "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
     "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",

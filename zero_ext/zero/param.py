@@ -232,6 +232,22 @@ class ZeroParam:
         self.shard = new_shard
         self._publish()
 
+    def retire(self, value: torch.Tensor) -> None:
+        """Turn the parameter back into a plain one holding ``value`` (its full value, ``ds_shape``): the
+        ds_* front, the owner back-pointer and the gathered storage go (zero.unpartition)."""
+        if self._holders:
+            raise RuntimeError(f"ZeRO-3 parameter {self.name} cannot be made whole while in use by "
+                               f"{self.describe_holders()}")
+        p = self.param
+        p.data = value.reshape(self.shape)
+        if self._padded is not None:
+            self._padded.untyped_storage().resize_(0)
+        for name in ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist", "ds_process_group",
+                     "_zero_owner", "__deepcopy__"):
+            p.__dict__.pop(name, None)
+        _BY_DS_ID.pop(self.ds_id, None)
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+
     def register_update_hook(self, hook: Callable[["ZeroParam"], None]) -> RemovableHandle:
         """``hook(zero_param)`` runs after the piece was overwritten from a modified full value
         (GatheredParameters with a ``modifier_rank``, Module.apply under zero.Init): the place where the
