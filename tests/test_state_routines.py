@@ -286,3 +286,63 @@ def test_debug_mode_turns_a_one_rank_full_read_into_an_error(mismatch, message):
     restart_pool(2)  # fresh call counters: an earlier test's one-rank call would shift them (as it should)
     with pytest.raises(RankFailed, match=message):
         run_ranks(2, _full_read_on_rank0_only, mismatch, env=env, timeout=60)
+
+
+def _precision_reads(stage, dtype, offload):
+    """bf16/fp16: reads in fp32 (fp16 gradients unscaled), pieces that add up, and a set the next forward sees."""
+    import torch.distributed as dist
+
+    import zero_ext
+    from zero_ext import utils
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _config(stage, 1, offload)
+    cfg["bf16" if dtype == "bf16" else "fp16"] = {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}
+    torch.manual_seed(0)
+    engine = zero_ext.initialize(model=MLP(), config=cfg)[0]
+    half = torch.bfloat16 if dtype == "bf16" else torch.float16
+    x, y = MLP.batch(2, torch.Generator().manual_seed(rank), half)
+    engine.backward(engine.module.loss((x, y)))
+    p = engine.module.head.weight
+    full_grad, local_grad = utils.safe_get_full_grad(p), utils.safe_get_local_grad(p)
+    engine.step()
+    full_param, local_param = utils.safe_get_full_fp32_param(p), utils.safe_get_local_fp32_param(p)
+    value = torch.linspace(-1, 1, full_param.numel()).view_as(full_param) / 3
+    utils.safe_set_full_fp32_param(p, value)
+    with zero_ext.zero.GatheredParameters([p]):
+        lp = p.detach().clone()
+    pieces, grads = [None] * world, [None] * world  # (stages 1/2: fragments of different sizes per rank)
+    dist.all_gather_object(pieces, local_param)
+    dist.all_gather_object(grads, local_grad)
+    engine.destroy()
+    return (full_grad, torch.cat(grads)[:full_grad.numel()], full_param, torch.cat(pieces)[:full_param.numel()],
+            lp, value, engine.optimizer.cur_scale if engine.optimizer else None, half)
+
+
+def _fp32_grad(stage):
+    from zero_ext import utils
+
+    import zero_ext
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    engine = zero_ext.initialize(model=MLP(), config=_config(stage, 1))[0]
+    x, y = MLP.batch(2, torch.Generator().manual_seed(rank), torch.float16)  # the same (rounded) inputs
+    engine.backward(engine.module.loss((x.float(), y.float())))
+    g = utils.safe_get_full_grad(engine.module.head.weight)
+    engine.destroy()
+    return g
+
+
+@pytest.mark.parametrize("stage,dtype,offload", [(1, "bf16", False), (2, "fp16", False), (3, "bf16", False),
+                                                 (3, "fp16", True), (2, "bf16", "nvme")])
+def test_reads_and_writes_in_16_bit_training(stage, dtype, offload):
+    results = run_ranks(2, _precision_reads, stage, dtype, offload)
+    ref_grad = run_ranks(2, _fp32_grad, stage)[0]
+    for full_grad, grad_pieces, full_param, pieces, lp, value, scale, half in results:
+        assert full_grad.dtype == full_param.dtype == torch.float32
+        assert torch.equal(grad_pieces.view_as(full_grad), full_grad)
+        assert torch.equal(pieces.view_as(full_param), full_param)
+        # unscaled (fp16's loss scale is 2^8 here) and close to the fp32 model's gradient
+        tol = 2e-2 * ref_grad.abs().max().item()
+        assert (full_grad - ref_grad).abs().max().item() <= tol
+        assert lp.dtype == half and torch.equal(lp, value.to(half))  # the next forward sees the set value
