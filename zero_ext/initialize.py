@@ -135,7 +135,9 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     # costs one small all-gather per fetch: ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
-                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check)
+                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
+                     prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
+                     max_reuse_distance=zc.max_reuse_distance)
 
 
 def _check_grad_accum_dtype(cfg) -> None:
