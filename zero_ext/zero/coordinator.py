@@ -52,7 +52,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch.profiler import record_function
 
 from . import collectives
-from .fetch import FetchSite, check_agreement, issue, release, wait_gathered
+from .fetch import FetchOrderError, FetchSite, check_agreement, issue, release, wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
 from .status import FetchKind, TraceState, ZeroParamStatus
@@ -119,6 +119,7 @@ class PrefetchCoordinator:
         self._pos = 0  # the next trace event expected
         self._stamped = False  # this step follows a trace and checks: agreement rows carry the position
         self._diverged = False  # this step left the trace
+        self._left = ""  # where and how (for error messages)
         self._unverified = 0  # events consumed since this rank's last agreement
         self._last_module = -1  # the module of the last event consumed (for checkpoint rows)
         self._ahead = 0  # events before this index are consumed or prefetched
@@ -228,8 +229,7 @@ class PrefetchCoordinator:
             return
         self._unverified = 0
         self.stats.checkpoints += 1
-        site = FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer)
-        check_agreement(site, [], -1, self._group, self._device, self._stamp())
+        self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1, self._stamp())
 
     def drain(self) -> None:
         """Wait for the prefetches in flight and drop every hold of the coordinator (what no module call
@@ -283,8 +283,7 @@ class PrefetchCoordinator:
         needed = [zp for _, need in batch for zp in need]
         if needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
             site = FetchSite(FetchKind.PREFETCH, events[batch[0][0]].module_index, "", self.namer)
-            check_agreement(site, [zp.shape for zp in needed], needed[0].ds_id, self._group, self._device,
-                            self._stamp() + (batch[0][0], j))
+            self._agree(site, [zp.shape for zp in needed], needed[0].ds_id, self._stamp() + (batch[0][0], j))
             self._unverified = 0
         with record_function(f"zero_ext::prefetch (fetches {batch[0][0]}-{j - 1})"):
             for k, need in batch:
@@ -325,12 +324,23 @@ class PrefetchCoordinator:
                 release([zp], self._retain_hold)
 
     def _leave(self, reason: str, site: FetchSite, traced: Sequence[ZeroParam]) -> None:
-        self._diverged = True
+        self._diverged, self._left = True, reason
         self._invalidate(reason)
         if self._stamped:  # tell the other ranks at once (see [Note: checking the order along the trace])
             self._unverified = 0
-            check_agreement(site, [zp.shape for zp in traced], traced[0].ds_id, self._group, self._device,
-                            self._stamp())
+            self._agree(site, [zp.shape for zp in traced], traced[0].ds_id, self._stamp())
+
+    def _agree(self, site: FetchSite, shapes, first_ds_id: int, stamp: Tuple[int, ...]) -> None:
+        """check_agreement on the trace's group; on FetchOrderError nothing stays gathered ahead."""
+        try:
+            check_agreement(site, shapes, first_ds_id, self._group, self._device, stamp)
+        except FetchOrderError as exc:
+            if self._diverged:  # this rank's own view of where it left the trace
+                exc.args = (f"{exc}\nThis rank left the recorded fetch order: {self._left}",)
+            self._stamped = False  # the step is lost: the raise unwinds it, the next one records again
+            self.state = TraceState.INVALID
+            self.drain()
+            raise
 
     def _invalidate(self, reason: str) -> None:
         self.stats.invalidations += 1
