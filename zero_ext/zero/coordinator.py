@@ -145,6 +145,7 @@ class PrefetchCoordinator:
         self._stamped = self.state is TraceState.COMPLETE and self.check
         if self.state is TraceState.COMPLETE:
             self.stats.traced_steps += 1
+            self._prefetch_ahead()  # the first modules' gathers too: their agreement is the batch's
 
     def end_step(self) -> None:
         """End of backward (or of a forward without autograd): check, then release what is held ahead."""

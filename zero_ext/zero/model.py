@@ -175,7 +175,8 @@ class ZeroModel:
         if self._forward_depth == 0:
             if self._callback_queued and not _in_backward():
                 self._end_of_backward()  # the last backward raised before its callback ran
-            self.coordinator.begin_step()
+            with internal.section():
+                self.coordinator.begin_step()
             if self._detector is not None:
                 self._detector.__enter__()
         self._forward_depth += 1
@@ -201,7 +202,8 @@ class ZeroModel:
         logger.debug("%s is used in the forward of %r: registered as external to it", zp.name, call.state.name)
         register_external_parameter(module, zp.param)
         call.params.append(zp)
-        self.coordinator.fetch(call, FetchKind.EXTERNAL, [zp])
+        with internal.section():
+            self.coordinator.fetch(call, FetchKind.EXTERNAL, [zp])
 
     def queue_end_of_backward(self) -> None:
         if not self._callback_queued:
