@@ -137,7 +137,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
-                     max_reuse_distance=zc.max_reuse_distance)
+                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings)
 
 
 def _check_grad_accum_dtype(cfg) -> None:

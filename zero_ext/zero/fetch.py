@@ -4,7 +4,8 @@
 partitioned, one coalesced all-gather per process group and dtype; ``release(params, holder)`` drops
 the hold and partitions what nobody holds any more (persistent parameters stay). Module hooks, the
 external-parameter detector, GatheredParameters and persistence all use these two and nothing else, so
-the prefetch coordinator (later) has one place to plug in.
+the prefetch coordinator (coordinator.py) has one place to plug in: it uses ``issue`` (start the
+gathers, asynchronously) and ``wait_gathered`` (finish them) to gather ahead of the modules.
 
 [Note: fetch-order agreement]
 ZeRO-3 is lock-step: every rank must gather the same parameters in the same order. A rank-dependent
@@ -16,9 +17,11 @@ how many elements, and a digest of their shapes -- in one small all-gather that 
 mismatch. If the rows differ, every rank raises FetchOrderError naming, for each rank, the module and
 first parameter it was about to gather. Partitioning (zero.Init, convert.py) runs the same check
 before its scatters, so ranks that build different models get the same kind of error. The check costs
-one round trip of ``48 * world`` bytes per gather (on the host when the group has gloo) and is on by
+one round trip of ``48 * world`` bytes per gather without a trace (on the host when the group has gloo) and is on by
 default; ``check=False`` turns it off for fetches.
-The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
+Along a recorded trace (coordinator.py) the same rows run once per prefetch batch and at checkpoints,
+stamped with the position reached in the trace, instead of once per fetch: see [Note: checking the
+order along the trace]. The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
 numbering drifted (an extra model built on one rank) are not reported as diverged.
 """
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
