@@ -17,11 +17,11 @@ how many elements, and a digest of their shapes -- in one small all-gather that 
 mismatch. If the rows differ, every rank raises FetchOrderError naming, for each rank, the module and
 first parameter it was about to gather. Partitioning (zero.Init, convert.py) runs the same check
 before its scatters, so ranks that build different models get the same kind of error. The check costs
-one round trip of ``48 * world`` bytes per gather without a trace (on the host when the group has gloo) and is on by
-default; ``check=False`` turns it off for fetches.
-Along a recorded trace (coordinator.py) the same rows run once per prefetch batch and at checkpoints,
-stamped with the position reached in the trace, instead of once per fetch: see [Note: checking the
-order along the trace]. The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
+one round trip of ``48 * world`` bytes per gather (on the host when the group has gloo) and is on by
+default; ``check=False`` turns it off for fetches. Along a recorded trace (coordinator.py) the same
+rows run once per prefetch batch and at checkpoints, stamped with the position reached in the trace,
+instead of once per gather: see [Note: checking the order along the trace].
+The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
 numbering drifted (an extra model built on one rank) are not reported as diverged.
 """
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
