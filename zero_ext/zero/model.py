@@ -22,8 +22,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import convert, internal
-from .external import ExternalUseDetector, register_external_parameter
 from .coordinator import PrefetchCoordinator
+from .external import ExternalUseDetector, register_external_parameter
 from .fetch import FetchSite, fetch, release
 from .leaf import z3_leaf_module
 from .meter import GatherMeter
