@@ -133,7 +133,7 @@ class _LogCapture(logging.Handler):
         self.logger.addHandler(self)
 
     def emit(self, record):
-        self.messages.append(record.getMessage())
+        self.messages.append(f"{record.levelname}: {record.getMessage()}")
 
     def close(self):
         self.logger.removeHandler(self)
@@ -199,6 +199,13 @@ def test_a_changed_branch_invalidates_the_trace_and_results_stay_right():
         assert stats[5]["served_ahead"] > stats[4]["served_ahead"]  # followed again after re-recording
         assert sum("fetch trace invalidated" in m for m in res["log"]) == 2
         assert any("'right' (Linear), the trace has the forward of module 'left' (Linear)" in m for m in res["log"])
+
+
+def test_log_trace_cache_warnings_makes_the_invalidation_a_warning():
+    plan = [True, True, False]
+    for options, level in (({}, "DEBUG"), ({"log_trace_cache_warnings": True}, "WARNING")):
+        for res in run_ranks(2, _train, options, len(plan), plan, timeout=60):
+            assert [m.split(":")[0] for m in res["log"] if "invalidated" in m] == [level]
 
 
 # -- max_reuse_distance -----------------------------------------------------------------------------------
