@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import zero_ext  # noqa: E402
+from zero_ext.zero import fetch  # noqa: E402
 
 
 def model(n):
@@ -51,6 +52,7 @@ def main():
     base = timed(plain, a.steps)
     rows = [("plain PyTorch", base)]
     zero_ext.init_distributed(verbose=False)
+    agreements = {}
     for label, check in (("stage 3", "1"), ("stage 3, no fetch-order check", "0")):
         os.environ["ZERO_EXT_CHECK_FETCH_ORDER"] = check
         cfg = {"train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -61,6 +63,10 @@ def main():
             engine.backward(engine(x).pow(2).mean())
             engine.step()
         rows.append((label, timed(z3, a.steps)))
+        before = fetch.agreements()
+        z3()  # one more step, to count its agreements (the first, recording step has one per fetch)
+        agreements[label] = fetch.agreements() - before
+        stats = engine.zero_model.coordinator.stats
         engine.destroy()
     modules = 2 * a.modules  # a Linear and a Tanh per layer; only the Linear has parameters
     print(f"{a.modules} Linear(16,16)+Tanh layers, 1 rank, best of {a.steps} steps")
@@ -68,6 +74,8 @@ def main():
     for label, t in rows:
         extra = (t - base) / modules * 1e6
         print(f"{label:34} {t * 1e3:9.2f} {extra:22.1f}")
+    print("fetch-order agreements per step: " + ", ".join(f"{k}: {v}" for k, v in agreements.items()))
+    print(f"prefetch counters of the last engine: {stats}")
 
 
 if __name__ == "__main__":

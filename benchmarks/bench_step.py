@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)  # this checkout's zero_ext, and the demo's model
 import zero_ext  # noqa: E402
 from demo.model import GPT, count_params, lm_loss  # noqa: E402
 from zero_ext.config import UnimplementedFeatureError, reject_unimplemented  # noqa: E402
+from zero_ext.zero import fetch as zero_fetch  # noqa: E402
 
 WORLD = 2
 MiB = 2 ** 20
@@ -162,7 +163,9 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
         step, tensor_bytes = zero_trainer(model, name, args.batch)
     gen = torch.Generator().manual_seed(100 + rank)  # the same batches for every configuration
     times = []
-    for _ in range(args.warmup + args.steps):
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            agreements = zero_fetch.agreements()
         x = torch.randint(0, 256, (args.batch, args.block + 1), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
@@ -172,7 +175,8 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
     timed = torch.tensor(times[args.warmup:], dtype=torch.float64)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
     queue.put({"rank": rank, "times": timed.tolist(), "rss": rss_mib(), "baseline": baseline,
-               "tensors": tensor_bytes(), "params": count_params(model)})
+               "tensors": tensor_bytes(), "params": count_params(model),
+               "agreements": (zero_fetch.agreements() - agreements) / args.steps})
     dist.destroy_process_group()
 
 
@@ -196,7 +200,8 @@ def run_config(name: str, args):
     results = sorted((queue.get() for _ in range(WORLD)), key=lambda r: r["rank"])
     return {"step": statistics.median(results[0]["times"]), "best": min(results[0]["times"]),
             "rss": [r["rss"] for r in results], "baseline": [r["baseline"] for r in results],
-            "tensors": [r["tensors"] for r in results], "params": results[0]["params"]}
+            "tensors": [r["tensors"] for r in results], "params": results[0]["params"],
+            "agreements": results[0]["agreements"]}
 
 
 def print_table(rows, args) -> None:
@@ -216,6 +221,9 @@ def print_table(rows, args) -> None:
     widths = [max(len(row[i]) for row in body + [head]) for i in range(len(head))]
     for row in [head, ["-" * w for w in widths]] + body:
         print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    checked = [f"{name} {r['agreements']:.0f}" for name, r in rows.items() if name.startswith("z3")]
+    if checked:
+        print("fetch-order agreements per step (ZeRO-3; one small all-gather each): " + ", ".join(checked))
     base = max(b for r in rows.values() for b in r["baseline"])
     load = f"{args.load:.1f} ({os.cpu_count()} CPUs): " + (
         "other work competes for the cores, so times are noisy" if args.load > 0.5 else "quiet")

@@ -43,8 +43,6 @@ CASES = {
         {"zero_optimization": {**Z3, "use_all_reduce_for_fetch_params": True}}, True),
     "zero_optimization.allgather_sequential": (
         {"zero_optimization": {**Z3, "stage3_allgather_sequential": True}}, True),
-    "zero_optimization.log_trace_cache_warnings": (
-        {"zero_optimization": {**Z3, "log_trace_cache_warnings": True}}, True),
     "zero_optimization.round_robin_gradients": (
         {"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, True),
     "zero_optimization.elastic_checkpoint": (

@@ -176,7 +176,8 @@ def _persistence():
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     zm.release_all()
     after_release = [n for n, p in model.named_parameters() if p.numel()]
-    model(torch.randn(2, 4))  # persistent parameters come back on their next use and stay
+    with torch.no_grad():  # (with autograd on, what the backward uses next would stay gathered for it)
+        model(torch.randn(2, 4))  # persistent parameters come back on their next use and stay
     back = [n for n, p in model.named_parameters() if p.numel()]
     zm.destroy()
     return persistent, available, shapes, after_release, back, [p.ds_persist for p in model.parameters()]

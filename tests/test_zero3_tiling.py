@@ -43,7 +43,10 @@ def _train_tiled_at_stage3():
 
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    # one tile's weight and bias (16 + 4 elements): no prefetching or
+                                    # keeping for reuse beyond that, the memory bound tiles are for
+                                    "stage3_max_live_parameters": 20}}
     model = _tiled_model()
     engine = zero_ext.initialize(model=model, config=config)[0]
     tiles = [t for row in model[0].linears for t in row]

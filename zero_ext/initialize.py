@@ -140,13 +140,16 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
     # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
-    # costs one small all-gather per fetch: ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
+    # costs one small all-gather per fetch, per prefetch batch once the fetch order is recorded:
+    # ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
     plan = OffloadPlan(zc)
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
-                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin)
+                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
+                     prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
+                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings)
 
 
 def _check_grad_accum_dtype(cfg) -> None:

@@ -115,6 +115,9 @@ class ShardReducer(StreamingReducer):
         self.pending: List = []
         self.seen = set()
         self.buffers: List[torch.Tensor] = []  # in flight, for memory accounting
+        # ranks confirm the fetches made along the prefetch trace before each reduction, so that one
+        # that left the trace raises rather than meeting a reduction with a gather (zero/coordinator.py)
+        self.verify_fetch_order = zero_model.verify_fetch_order
         self.handles = [zero_model.register_grad_ready_hook(self._on_grad),
                         zero_model.register_backward_end_hook(self.finish_backward)]
 
@@ -148,6 +151,7 @@ class ShardReducer(StreamingReducer):
             zp.param.grad = None  # copied: the full gradient is freed now
         handle = None
         if self.world > 1:
+            self.verify_fetch_order()
             if self.avg.pre != 1.0:
                 buf.mul_(self.avg.pre)
             if buf.is_cuda:

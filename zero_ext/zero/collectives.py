@@ -14,10 +14,13 @@ own storage. The rank's own block is a view into the output buffer, so the input
 rank-major layout of one piece per rank, so the all-gather writes straight into it. Where the backend
 lacks ``all_gather_into_tensor`` (gloo in old torch versions), the list form of ``all_gather`` fills
 the same buffer through per-rank views.
+``all_gather_pieces_async`` issues the same collective with ``async_op=True`` and returns a
+PendingGather whose ``wait()`` finishes it (the copy-out included): the prefetch coordinator issues
+gathers for modules that have not run yet and waits when they do.
 """
 import hashlib
 import struct
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,15 +44,34 @@ def global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def _all_gather_into(output: torch.Tensor, own: torch.Tensor, group, world: int) -> None:
+def _all_gather_into(output: torch.Tensor, own: torch.Tensor, group, world: int, async_op: bool = False):
+    """``all_gather_into_tensor``, or the list form where the backend lacks it; a Work when async."""
     global _LIST_ALLGATHER
     if not _LIST_ALLGATHER:
         try:
-            dist.all_gather_into_tensor(output, own, group=group)
-            return
+            return dist.all_gather_into_tensor(output, own, group=group, async_op=async_op)
         except (RuntimeError, NotImplementedError, AttributeError):
             _LIST_ALLGATHER = True
-    dist.all_gather(list(output.view(world, -1).unbind(0)), own.clone(), group=group)
+    return dist.all_gather(list(output.view(world, -1).unbind(0)), own.clone(), group=group, async_op=async_op)
+
+
+class PendingGather:
+    """An all-gather issued by ``all_gather_pieces_async``. ``wait()`` blocks until it is complete and
+    the parameters' storages hold their full values (on CUDA: until the current stream is ordered
+    after it); later calls return at once."""
+
+    __slots__ = ("_work", "_finish")
+
+    def __init__(self, work, finish: Optional[Callable[[], None]]):
+        self._work, self._finish = work, finish
+
+    def wait(self) -> None:
+        work, finish = self._work, self._finish
+        self._work = self._finish = None
+        if work is not None:
+            work.wait()
+        if finish is not None:
+            finish()
 
 
 def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
@@ -60,17 +82,24 @@ def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Te
     outputs[i]: parameter i's padded full storage, (world * shard_numel,), on the compute device;
                 filled with every rank's piece in rank order
     """
+    all_gather_pieces_async(pieces, outputs, numels, group).wait()
+
+
+def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                            numels: Sequence[int], group) -> PendingGather:
+    """``all_gather_pieces``, issued with ``async_op=True``: the outputs may be read only after the
+    returned gather's ``wait()``. Every rank must issue the same gathers in the same order (gloo and
+    NCCL match collectives by issue order), however many are outstanding."""
     rank, world = rank_and_world(group)
     if world == 1:
         for piece, out in zip(pieces, outputs):
             out.copy_(piece)
-        return
+        return PendingGather(None, None)
     if len(pieces) == 1:
         out = outputs[0]
         own = out.view(world, -1)[rank]
         own.copy_(pieces[0])
-        _all_gather_into(out, own, group, world)
-        return
+        return PendingGather(_all_gather_into(out, own, group, world, async_op=True), None)
     block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
     offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}  # each piece's start in a block
     buffer = torch.empty(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
@@ -79,11 +108,14 @@ def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Te
     for i, piece in enumerate(pieces):
         if i in offsets:
             own[offsets[i]: offsets[i] + piece.numel()].copy_(piece)
-    _all_gather_into(buffer, own, group, world)
-    for i, out in enumerate(outputs):
-        if i in offsets:
-            size = out.numel() // world
-            out.view(world, size).copy_(blocks[:, offsets[i]: offsets[i] + size])
+    work = _all_gather_into(buffer, own, group, world, async_op=True)
+
+    def copy_out():  # after the wait: on CUDA, on the current stream, which now follows the collective
+        for i, out in enumerate(outputs):
+            if i in offsets:
+                size = out.numel() // world
+                out.view(world, size).copy_(blocks[:, offsets[i]: offsets[i] + size])
+    return PendingGather(work, copy_out)
 
 
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group) -> None:

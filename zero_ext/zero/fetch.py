@@ -4,7 +4,8 @@
 partitioned, one coalesced all-gather per process group and dtype; ``release(params, holder)`` drops
 the hold and partitions what nobody holds any more (persistent parameters stay). Module hooks, the
 external-parameter detector, GatheredParameters and persistence all use these two and nothing else, so
-the prefetch coordinator (later) has one place to plug in.
+the prefetch coordinator (coordinator.py) has one place to plug in: it uses ``issue`` (start the
+gathers, asynchronously) and ``wait_gathered`` (finish them) to gather ahead of the modules.
 
 [Note: fetch-order agreement]
 ZeRO-3 is lock-step: every rank must gather the same parameters in the same order. A rank-dependent
@@ -17,7 +18,9 @@ mismatch. If the rows differ, every rank raises FetchOrderError naming, for each
 first parameter it was about to gather. Partitioning (zero.Init, convert.py) runs the same check
 before its scatters, so ranks that build different models get the same kind of error. The check costs
 one round trip of ``48 * world`` bytes per gather (on the host when the group has gloo) and is on by
-default; ``check=False`` turns it off for fetches.
+default; ``check=False`` turns it off for fetches. Along a recorded trace (coordinator.py) the same
+rows run once per prefetch batch and at checkpoints, stamped with the position reached in the trace,
+instead of once per gather: see [Note: checking the order along the trace].
 The row leaves out ds_ids, which depend on everything a process ever built, so that two ranks whose
 numbering drifted (an extra model built on one rank) are not reported as diverged.
 """
@@ -30,10 +33,13 @@ from . import collectives, internal
 from .param import ZeroParam, zero_param_by_ds_id
 from .status import FetchKind, ZeroParamStatus
 
+_AGREEMENTS = [0]  # agreements run by this process
 _COMPARED = 5  # the first five columns of a row must agree; the sixth (a ds_id) only names a parameter
 _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of",
               FetchKind.EXTERNAL: "a parameter used in the forward of", FetchKind.GATHERED: "GatheredParameters",
-              FetchKind.PERSIST: "persistent parameters of", FetchKind.PARTITION: "partitioning (zero.Init)"}
+              FetchKind.PERSIST: "persistent parameters of", FetchKind.PARTITION: "partitioning (zero.Init)",
+              FetchKind.PREFETCH: "prefetch (along the recorded trace) starting at",
+              FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace"}
 
 
 class FetchOrderError(RuntimeError):
@@ -53,31 +59,73 @@ class FetchSite(NamedTuple):
         return f"{self.kind.name.lower()} {self.module_name}".strip()
 
 
-def fetch(params: Sequence[ZeroParam], holder, site: FetchSite, check: bool = True) -> None:
-    """Hold ``params`` for ``holder`` and gather the partitioned ones. Collective over each parameter's
-    group whenever something has to be gathered: every rank must call it at the same point."""
+def fetch(params: Sequence[ZeroParam], holder, site: FetchSite, check: bool = True,
+          stamp: Sequence[int] = ()) -> None:
+    """Hold ``params`` for ``holder`` and gather the partitioned ones; returns once all of them are
+    AVAILABLE (a parameter another fetch left INFLIGHT is waited for). Collective over each parameter's
+    group whenever something has to be gathered: every rank must call it at the same point. ``stamp``:
+    extra ints the ranks must agree on (the coordinator's trace position)."""
     for zp in params:
         zp.hold(holder)
+    issue(params, site, check, stamp)
+    wait_gathered(params)
+
+
+def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stamp: Sequence[int] = ()) -> int:
+    """Start gathering the partitioned ones among ``params`` (one asynchronous coalesced all-gather per
+    process group, device and dtype, each after its fetch-order agreement when ``check``); they are
+    INFLIGHT until ``wait_gathered``. Holds nothing. Returns the number of elements issued."""
     need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
+    issued = 0
     for (group, _, _), bucket in _buckets(need).items():
         with internal.section():
             if check:
-                _agree(bucket, site, group)
+                _agree(bucket, site, group, stamp)
             with record_function(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
-                collectives.all_gather_pieces([zp.shard for zp in bucket], outputs, [zp.numel for zp in bucket],
-                                              group)
+                pending = collectives.all_gather_pieces_async([zp.shard for zp in bucket], outputs,
+                                                              [zp.numel for zp in bucket], group)
+                gather = _Gather(pending, bucket)
                 for zp in bucket:
-                    zp.to_gathered()
+                    zp.pending_gather = gather
+                    issued += zp.numel
+    return issued
+
+
+def wait_gathered(params: Sequence[ZeroParam]) -> None:
+    """Wait for those of ``params`` still INFLIGHT; afterwards each is AVAILABLE (or was partitioned)."""
+    for zp in params:
+        if zp.status is ZeroParamStatus.INFLIGHT:
+            with internal.section(), record_function("zero_ext::wait_gather"):
+                zp.pending_gather.wait()
+
+
+class _Gather:
+    """One issued all-gather and the parameters it fills: waiting makes all of them AVAILABLE."""
+
+    __slots__ = ("pending", "params")
+
+    def __init__(self, pending: collectives.PendingGather, params: List[ZeroParam]):
+        self.pending, self.params = pending, params
+
+    def wait(self) -> None:
+        self.pending.wait()
+        params, self.params = self.params, []
+        for zp in params:
+            zp.pending_gather = None
+            zp.to_gathered()
 
 
 def release(params: Sequence[ZeroParam], holder) -> None:
     """Drop ``holder``'s hold; partition each parameter nobody holds (unless persistent). Local: no
-    communication."""
+    communication (a parameter still INFLIGHT is waited for first: its gather was issued everywhere)."""
     with internal.section():
         for zp in params:
-            if zp.unhold(holder) and not zp.persist and zp.status is ZeroParamStatus.AVAILABLE:
-                zp.to_partitioned()
+            if zp.unhold(holder) and not zp.persist:
+                if zp.status is ZeroParamStatus.INFLIGHT:
+                    zp.pending_gather.wait()
+                if zp.status is ZeroParamStatus.AVAILABLE:
+                    zp.to_partitioned()
 
 
 def _buckets(params: Sequence[ZeroParam]) -> Dict[Tuple, List[ZeroParam]]:
@@ -88,21 +136,28 @@ def _buckets(params: Sequence[ZeroParam]) -> Dict[Tuple, List[ZeroParam]]:
     return out
 
 
-def _agree(params: Sequence[ZeroParam], site: FetchSite, group) -> None:
+def _agree(params: Sequence[ZeroParam], site: FetchSite, group, stamp: Sequence[int] = ()) -> None:
     check_agreement(site, [zp.shape for zp in params], params[0].ds_id, group,
-                    collectives.check_device(group, params[0].compute_device))
+                    collectives.check_device(group, params[0].compute_device), stamp)
+
+
+def agreements() -> int:
+    """How many fetch-order agreements this process has run (diagnostics, benchmarks and tests)."""
+    return _AGREEMENTS[0]
 
 
 def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: int, group,
-                    device: torch.device) -> None:
+                    device: torch.device, stamp: Sequence[int] = ()) -> None:
     """Raise FetchOrderError on every rank unless all ranks are about to gather (or partition)
-    parameters of the same shapes for the same reason and module. Collective (one small all-gather)."""
-    flat: List[int] = []
+    parameters of the same shapes for the same reason and module, with the same ``stamp``.
+    Collective (one small all-gather)."""
+    flat: List[int] = list(stamp) + [-2]
     for shape in shapes:
         flat.extend(shape)
         flat.append(-1)
     row = [site.kind.value, site.module_index, len(shapes), sum(torch.Size(s).numel() for s in shapes),
            collectives.digest(flat), first_ds_id]
+    _AGREEMENTS[0] += 1
     rows = collectives.agree(row, group, device)
     if all(r[:_COMPARED] == rows[0][:_COMPARED] for r in rows):
         return
@@ -112,8 +167,8 @@ def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: 
         "a module that runs on some ranks only?):\n" + "\n".join(lines) + "\n"
         "Every rank must build, and run, the same modules in the same order under ZeRO-3. Run every branch "
         "on every rank (and select the result), or gather the parameters on all ranks first "
-        "(zero_ext.zero.GatheredParameters). This check costs one small all-gather per fetch; "
-        "check_fetch_order=False turns it off.")
+        "(zero_ext.zero.GatheredParameters). This check costs one small all-gather per fetch (per "
+        "prefetch batch once the fetch order is recorded); check_fetch_order=False turns it off.")
 
 
 def _describe(row: Sequence[int], site: FetchSite) -> str:
@@ -125,6 +180,8 @@ def _describe(row: Sequence[int], site: FetchSite) -> str:
     if module_index >= 0:
         module = site.namer(module_index) if site.namer is not None else f"#{module_index}"
         what += f" module {module}"
+    if count == 0:  # a checkpoint row: no parameters
+        return what
     zp = zero_param_by_ds_id(first)
     name = f"first parameter {zp.name!r} (ds_id {first})" if zp is not None else f"from ds_id {first}"
     return f"{what}: {count} parameter(s), {numel} elements, {name}"

@@ -21,6 +21,10 @@ under activation checkpointing, has one ModuleCall per run, each holding its par
 pre-hook to its post-hook and again from its pre-backward to its post-backward. Under ``no_grad``
 (evaluation, or the first pass of reentrant checkpointing) no autograd machinery is attached at all.
 
+What is gathered when -- on demand, or ahead along the recorded order -- is the prefetch
+coordinator's business (coordinator.py): the hooks only tell it that a call needs its parameters and
+that it is done with them.
+
 Why gradients are safe: autograd runs ``AccumulateGrad`` for a parameter as soon as its gradient is
 complete, ahead of any other ready node, so a parameter is still gathered when its gradient lands
 (accumulating into a parameter whose data is empty fails inside autograd). A parameter shared by two
@@ -34,7 +38,7 @@ import torch
 
 from . import internal
 from .external import external_parameters
-from .fetch import FetchSite, fetch, release
+from .fetch import FetchSite
 from .leaf import z3_leaf_module
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind, TrainingPhase
@@ -47,12 +51,13 @@ if TYPE_CHECKING:
 class ModuleCall:
     """One call of a module's forward: the parameters it holds, and its phase."""
 
-    __slots__ = ("state", "params", "phase")
+    __slots__ = ("state", "params", "phase", "trace_index")
 
     def __init__(self, state: "ModuleState"):
         self.state = state
         self.params: List[ZeroParam] = []
         self.phase = TrainingPhase.IDLE
+        self.trace_index = -1  # the trace event of its current fetch, when following one (coordinator.py)
 
     def _to(self, phase: TrainingPhase, *allowed: TrainingPhase) -> None:
         if self.phase not in allowed:
@@ -138,7 +143,7 @@ class ModuleState:
             call.to_forward()
             call.params = self.zero_params()
             with torch.profiler.record_function(f"zero_ext::pre_forward ({self.name})"):
-                fetch(call.params, call, self.site(FetchKind.FORWARD), model.check_fetch_order)
+                model.coordinator.fetch(call, FetchKind.FORWARD)
             if call.params and torch.is_grad_enabled():
                 args, kwargs = self._wrap_inputs(call, args, kwargs)
         return args, kwargs
@@ -164,7 +169,7 @@ class ModuleState:
                             t.register_hook(hook)
                 call.to_idle()
                 with torch.profiler.record_function(f"zero_ext::post_forward ({self.name})"):
-                    release(call.params, call)
+                    model.coordinator.release(call)
         if self.is_root:
             model.exit_forward()
         return None
@@ -181,7 +186,7 @@ class ModuleState:
             call.to_pre_backward()
             model.backward_calls[call] = None
             with torch.profiler.record_function(f"zero_ext::pre_backward ({self.name})"):
-                fetch(call.params, call, self.site(FetchKind.BACKWARD), model.check_fetch_order)
+                model.coordinator.fetch(call, FetchKind.BACKWARD)
         return None
 
     def post_backward(self, call: ModuleCall) -> None:
@@ -193,4 +198,4 @@ class ModuleState:
             self.model.backward_calls.pop(call, None)
             call.to_idle()
             with torch.profiler.record_function(f"zero_ext::post_backward ({self.name})"):
-                release(call.params, call)
+                self.model.coordinator.release(call)

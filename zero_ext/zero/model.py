@@ -22,9 +22,11 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import convert, internal
+from .coordinator import PrefetchCoordinator
 from .external import ExternalUseDetector, register_external_parameter
 from .fetch import FetchSite, fetch, release
 from .leaf import z3_leaf_module
+from .meter import GatherMeter
 from .hooks import ModuleCall, ModuleState
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind, ZeroParamStatus
@@ -56,12 +58,17 @@ class ZeroModel:
     within the second. ``check_fetch_order``: see [Note: fetch-order agreement] (fetch.py).
     ``detect_external_params``: see [Note: detecting external parameters] (external.py).
     ``group``, ``remote_device``, ``pin_memory``: for parameters that are partitioned here (those the
-    model still holds whole).
+    model still holds whole). ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``
+    (elements; DeepSpeed's stage3_* keys) and ``log_trace_cache_warnings``: the prefetch coordinator,
+    see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``meter`` counts the gathered elements of the
+    non-persistent parameters (meter.py), ``coordinator.stats`` what was prefetched.
     """
 
     def __init__(self, module: torch.nn.Module, group=None, param_persistence_threshold: int = 100_000,
                  model_persistence_threshold: int = sys.maxsize, check_fetch_order: bool = True,
-                 detect_external_params: bool = True, remote_device=None, pin_memory: bool = False):
+                 detect_external_params: bool = True, remote_device=None, pin_memory: bool = False,
+                 prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
+                 max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False):
         if module in _INSTALLED:
             raise RuntimeError(f"zero_ext: ZeRO-3 hooks are already installed on this {type(module).__name__}; "
                                "call destroy() on the first ZeroModel before installing another")
@@ -69,10 +76,18 @@ class ZeroModel:
         self.check_fetch_order = check_fetch_order
         convert.partition_module(module, group, remote_device, pin_memory)
         self._params = self._name_params()
+        self.meter = GatherMeter()
+        for zp in self._params:
+            zp.meter = self.meter
+            if zp.status is not ZeroParamStatus.NOT_AVAILABLE and not zp.persist:
+                self.meter.adjust(zp.numel)  # gathered already (an enclosing GatheredParameters)
         self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
         for index, (name, m) in enumerate(module.named_modules()):
             self._states[m] = ModuleState(self, m, index, name or "<root>", m is module)
         self._module_names = [f"{s.name!r} ({type(s.module).__name__})" for s in self._states.values()]
+        self.coordinator = PrefetchCoordinator(self.describe_module, self.meter, check_fetch_order,
+                                               prefetch_bucket_size, max_live_parameters, max_reuse_distance,
+                                               log_trace_cache_warnings)
         self._stack: List[ModuleCall] = []
         self.backward_calls: Dict[ModuleCall, None] = {}  # ordered set of calls holding for backward
         self._callback_queued = False
@@ -160,6 +175,8 @@ class ZeroModel:
         if self._forward_depth == 0:
             if self._callback_queued and not _in_backward():
                 self._end_of_backward()  # the last backward raised before its callback ran
+            with internal.section():
+                self.coordinator.begin_step()
             if self._detector is not None:
                 self._detector.__enter__()
         self._forward_depth += 1
@@ -170,6 +187,11 @@ class ZeroModel:
             self._stack.clear()
             if self._detector is not None:
                 self._detector.__exit__(None, None, None)
+            with internal.section():
+                if torch.is_grad_enabled():
+                    self.coordinator.checkpoint()  # before any collective of the user's (a logged loss)
+                else:
+                    self.coordinator.end_step()  # no backward follows: nothing is kept for it
 
     def _on_use(self, zp: ZeroParam) -> None:
         """The detector saw ``zp`` passed to a torch function during forward."""
@@ -180,7 +202,8 @@ class ZeroModel:
         logger.debug("%s is used in the forward of %r: registered as external to it", zp.name, call.state.name)
         register_external_parameter(module, zp.param)
         call.params.append(zp)
-        fetch([zp], call, call.state.site(FetchKind.EXTERNAL), self.check_fetch_order)
+        with internal.section():
+            self.coordinator.fetch(call, FetchKind.EXTERNAL, [zp])
 
     def queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -192,8 +215,10 @@ class ZeroModel:
         with internal.section():
             for call in list(self.backward_calls):
                 call.to_idle()
+                call.trace_index = -1
                 release(call.params, call)
             self.backward_calls.clear()
+            self.coordinator.end_step()  # checked, and nothing kept gathered into the optimizer step
         for hook in list(self._backward_end_hooks.values()):
             hook()
 
@@ -213,10 +238,19 @@ class ZeroModel:
         self._backward_end_hooks[handle.id] = hook
         return handle
 
+    def verify_fetch_order(self) -> None:
+        """Call before a collective of the engine's own during backward (a gradient reduction): ranks
+        confirm the fetches they made along the trace without a collective, so that one that left it
+        raises FetchOrderError here rather than meeting a reduction with a gather. Cheap when there is
+        nothing to confirm. See [Note: checking the order along the trace] (coordinator.py)."""
+        with internal.section():
+            self.coordinator.checkpoint()
+
     def release_all(self, include_persistent: bool = True) -> None:
         """Partition every parameter no module call or GatheredParameters context holds (DeepSpeed's
         ``empty_partition_cache``). Persistent parameters are gathered again on their next use."""
         with internal.section():
+            self.coordinator.drain()
             for call in list(self.backward_calls):
                 call.to_idle()
                 release(call.params, call)
@@ -229,6 +263,7 @@ class ZeroModel:
 
     def refresh_persistent(self) -> None:
         """Gather persistent parameters again from their pieces (after an optimizer step). Collective."""
+        self.coordinator.drain()  # nothing gathered may outlive the pieces it was gathered from
         release(self.persistent, self._persistent_holder)
         for zp in self.persistent:
             if zp.status is ZeroParamStatus.AVAILABLE and not zp.holders:
@@ -251,4 +286,6 @@ class ZeroModel:
         for zp in self.persistent:
             zp.set_persistent(False)
         self.persistent = []
+        for zp in self._params:
+            zp.meter = None
         _INSTALLED.pop(self.module, None)

@@ -108,6 +108,9 @@ class ZeroParam:
         self._padded: Optional[torch.Tensor] = None
         self._full: Optional[torch.Tensor] = None
         self._holders: Dict[Any, None] = {}  # an ordered set
+        self.meter = None  # the GatherMeter of the ZeroModel this parameter belongs to (meter.py)
+        self.gathers = 0  # how many times the parameter was gathered (diagnostics and tests)
+        self.pending_gather = None  # while INFLIGHT: the collective filling the storage (fetch.py waits on it)
         self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
@@ -153,6 +156,9 @@ class ZeroParam:
         elif self._padded.untyped_storage().nbytes() != nbytes:
             self._padded.untyped_storage().resize_(nbytes)
         self.status = ZeroParamStatus.INFLIGHT
+        self.gathers += 1
+        if self.meter is not None and not self.persist:
+            self.meter.add(self.numel)
         self._publish()
         return self._padded
 
@@ -176,6 +182,8 @@ class ZeroParam:
         self._partition_data()
 
     def _partition_data(self) -> None:
+        if self.meter is not None and not self.persist and self.status is not ZeroParamStatus.NOT_AVAILABLE:
+            self.meter.sub(self.numel)
         self.param.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
         if self._padded is not None:
             self._padded.untyped_storage().resize_(0)  # see [Note: freeing gathered storage]
@@ -269,6 +277,9 @@ class ZeroParam:
     def held_by(self, holder: Any) -> bool:
         return holder in self._holders
 
+    def held_only_by(self, holder: Any) -> bool:
+        return len(self._holders) == 1 and holder in self._holders
+
     @property
     def holders(self):
         return tuple(self._holders)
@@ -280,6 +291,8 @@ class ZeroParam:
         """Persistent parameters stay gathered on every rank (under the persistence thresholds); the
         flag is what ``ds_persist`` shows."""
         self._check_facade()
+        if self.meter is not None and persist != self.persist and self.status is not ZeroParamStatus.NOT_AVAILABLE:
+            self.meter.adjust(-self.numel if persist else self.numel)  # the meter counts non-persistent ones
         self.persist = persist
         self._publish()
 

@@ -48,3 +48,20 @@ class FetchKind(Enum):
     GATHERED = 4  # GatheredParameters
     PERSIST = 5  # persistent parameters, gathered once when the hooks are installed
     PARTITION = 6  # whole parameters about to be cut into pieces (zero.Init, partition_module)
+    PREFETCH = 7  # gathers issued ahead of the modules that will use them (coordinator.py)
+    CHECKPOINT = 8  # no gather: ranks confirm the trace events they consumed without one (coordinator.py)
+    TRACE = 9  # no gather: ranks compare the trace each recorded (coordinator.py)
+
+
+class TraceState(Enum):
+    """Where the prefetch coordinator (coordinator.py) stands with the fetch order it records.
+
+    ``RECORD -> COMPLETE`` at the start of the step after the recording (once every rank recorded the
+    same trace); ``COMPLETE -> INVALID`` when a fetch differs from the trace (or a step ends before
+    it); ``INVALID -> RECORD`` at the start of the next step. Only ``COMPLETE`` prefetches and keeps
+    parameters for reuse; the other two fetch on demand, as without a coordinator.
+    """
+
+    RECORD = 1  # this step's fetches are being recorded
+    COMPLETE = 2  # the trace is known: fetches are checked against it, prefetched and kept for reuse
+    INVALID = 3  # this step left the trace: on demand until the step ends, then record again

@@ -1,0 +1,351 @@
+"""PrefetchCoordinator: a model's fetches along the recorded fetch order -- ahead of the compute, within
+the memory limits, and checked across ranks once per batch rather than once per fetch.
+
+    coordinator.begin_step()              # the root's forward begins (ZeroModel.enter_forward)
+    coordinator.fetch(call, kind)         # a module call needs its parameters (hooks.py)
+    coordinator.release(call)             # ... and is done with them
+    coordinator.checkpoint()              # end of forward / backward, before a gradient reduction
+    coordinator.end_step()                # end of backward (or of a forward without autograd)
+
+[Note: ZeRO-3 prefetch trace]
+The first step is recorded: every fetch a module call makes (forward, backward, an external
+parameter's first use) becomes a FetchEvent (trace.py) with the call's partitioned parameters. At the
+start of the next step the ranks compare their traces in one small all-gather; if they agree the
+trace is COMPLETE (status.TraceState), else it is recorded again. Along a complete trace:
+
+- each fetch must be the trace's next event; then the gathers for the events after it are issued
+  ahead (asynchronous all-gathers: on gloo they run in its threads, with NCCL on its stream), up to
+  ``prefetch_bucket_size`` elements not yet used, refilled once less than half of that is left, and
+  never past ``max_live_parameters`` gathered elements (GatherMeter.live). The walk stops at the first
+  event that does not fit, so what is in flight is always for the events just ahead;
+- a module's release keeps a parameter gathered when the trace uses it again within
+  ``max_reuse_distance`` elements of fetches, if the gathered total stays within
+  ``max_live_parameters``; such kept parameters are the first given up when an on-demand gather
+  would pass the limit. A module whose own parameters exceed the limit is still gathered: the live
+  set is at most max(max_live_parameters, what the running module calls hold);
+- nothing stays gathered across steps: the end of backward releases what the coordinator holds (the
+  optimizer step changes the pieces next), and so does the start of every step.
+A fetch that is not the next event (dynamic control flow: a branch taken, a module skipped, a forward
+without backward) invalidates the trace: what was prefetched is waited for and released, and the rest
+of the step fetches on demand (a debug log says where; ``log_trace_cache_warnings`` makes it a
+warning). The next step records again. Every decision depends on the trace, the limits and the
+gathered total only, so ranks that follow the same trace issue the same collectives in the same order.
+
+[Note: checking the order along the trace]
+Without a trace every gather is preceded by its agreement row (fetch.py). Along a trace the events
+are checked locally against the trace, and the agreement runs once per *batch*: one row before each
+prefetch batch describing all of its gathers, and one *checkpoint* row at the end of each forward and
+backward and before each gradient reduction (``verify``) when events were consumed since the last row.
+Every row of a step that follows a trace carries the position reached in it, and whether this rank
+left it. So a rank that leaves the trace, say at event q while the others go on, runs an agreement at
+once (its row: the module it runs, position q, "left"); the others run theirs no later than their
+next gather, reduction or end of pass, with a different position or kind; the rows differ and every
+rank raises FetchOrderError naming each rank's module and parameter. No rank issues a gather or a
+reduction between the divergence and that agreement, so there is no mismatched collective to hang in;
+the gathers prefetched before it were issued by every rank and complete. Ranks that all change
+branch at the same event agree on (q, "left") and simply fetch on demand. What is not covered is what
+was not before: a collective of the user's own between two of ours.
+"""
+import logging
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from torch.profiler import record_function
+
+from . import collectives
+from .fetch import FetchOrderError, FetchSite, check_agreement, issue, release, wait_gathered
+from .meter import GatherMeter
+from .param import ZeroParam
+from .status import FetchKind, TraceState, ZeroParamStatus
+from .trace import Trace, make_event
+
+logger = logging.getLogger("zero_ext.zero.coordinator")
+
+
+class _Hold:
+    """A hold the coordinator puts on parameters it keeps gathered for no module call in particular."""
+
+    __slots__ = ("why",)
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def __repr__(self) -> str:
+        return self.why
+
+
+class _Prefetched(NamedTuple):
+    hold: _Hold
+    params: Tuple[ZeroParam, ...]  # all of the event's parameters: gathered for it or found gathered
+    issued: int  # elements this prefetch gathered
+
+
+class PrefetchStats:
+    """Counters of what the coordinator did (diagnostics, benchmarks and tests)."""
+
+    __slots__ = ("recorded", "traced_steps", "batches", "prefetched", "served_ahead", "on_demand", "retained",
+                 "invalidations", "checkpoints")
+
+    def __init__(self):
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def as_dict(self) -> Dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def __repr__(self) -> str:
+        return "PrefetchStats(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+class PrefetchCoordinator:
+    """Fetch and release for one ZeroModel's module calls; see [Note: ZeRO-3 prefetch trace].
+
+    ``namer``: module index -> "name (Type)"; ``meter``: the model's GatherMeter; ``check``: run the
+    fetch-order agreements; the three limits are DeepSpeed's stage3_* keys, in elements.
+    """
+
+    def __init__(self, namer, meter: GatherMeter, check: bool = True, prefetch_bucket_size: int = 50_000_000,
+                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
+                 warn_on_invalidation: bool = False):
+        self.namer, self.meter, self.check = namer, meter, check
+        self.bucket = max(0, int(prefetch_bucket_size))
+        self.max_live = max(0, int(max_live_parameters))
+        self.max_reuse = max(0, int(max_reuse_distance))
+        self._log_level = logging.WARNING if warn_on_invalidation else logging.DEBUG
+        self.state = TraceState.RECORD
+        self.trace: Optional[Trace] = None
+        self.stats = PrefetchStats()
+        self._recording = []
+        self._group, self._device = None, None  # where the trace's agreements run
+        self._pos = 0  # the next trace event expected
+        self._stamped = False  # this step follows a trace and checks: agreement rows carry the position
+        self._diverged = False  # this step left the trace
+        self._left = ""  # where and how (for error messages)
+        self._unverified = 0  # events consumed since this rank's last agreement
+        self._last_module = -1  # the module of the last event consumed (for checkpoint rows)
+        self._ahead = 0  # events before this index are consumed or prefetched
+        self._prefetched: Dict[int, _Prefetched] = {}  # event index -> what was prefetched for it
+        self._pending = 0  # elements prefetched for events not consumed yet
+        self._retained: Dict[ZeroParam, int] = {}  # kept for reuse -> the event that uses it next
+        self._retain_hold = _Hold("kept gathered for reuse (stage3_max_reuse_distance)")
+
+    # -- step boundaries ---------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """The root's forward begins: settle the last step's trace and start following (or recording)."""
+        self.drain()
+        if self.state is TraceState.RECORD and self._recording:
+            self._finish_recording()
+        elif self.state is TraceState.COMPLETE and self._pos != len(self.trace):
+            self._invalidate(f"the last step ended after {self._pos} of the trace's {len(self.trace)} fetches")
+        if self.state is TraceState.INVALID:
+            self.state, self.trace = TraceState.RECORD, None
+        self._recording = []
+        self._pos = self._ahead = self._unverified = 0
+        self._diverged = False
+        self._stamped = self.state is TraceState.COMPLETE and self.check
+        if self.state is TraceState.COMPLETE:
+            self.stats.traced_steps += 1
+            self._prefetch_ahead()  # the first modules' gathers too: their agreement is the batch's
+
+    def end_step(self) -> None:
+        """End of backward (or of a forward without autograd): check, then release what is held ahead."""
+        self.checkpoint()
+        self.drain()
+
+    def _finish_recording(self) -> None:
+        trace = Trace(self._recording)
+        first = trace.events[0].params[0]
+        if any(zp.group is not first.group for ev in trace.events for zp in ev.params):
+            self._invalidate("the model's parameters are in more than one process group; prefetching "
+                             "is implemented for one")
+            return
+        self._group = first.group
+        self._device = collectives.check_device(first.group, first.compute_device)
+        # the traces of all ranks must be the same for their prefetches to match: compare them (one
+        # small all-gather per recording); if they differ, keep fetching on demand (each fetch checked)
+        row = [FetchKind.TRACE.value, -1, len(trace), trace.numel, collectives.digest(trace.fingerprint()), 0]
+        rows = collectives.agree(row, self._group, self._device)
+        if any(r[:5] != rows[0][:5] for r in rows):
+            self._invalidate("the ranks recorded different fetch orders")
+            return
+        self.state, self.trace = TraceState.COMPLETE, trace
+        self.stats.recorded += 1
+        logger.debug("ZeRO-3 fetch trace recorded: %d fetches, %d elements", len(trace), trace.numel)
+
+    # -- fetch and release -------------------------------------------------------------------------------
+
+    def fetch(self, call, kind: FetchKind, params: Optional[Sequence[ZeroParam]] = None) -> None:
+        """``call`` (a hooks.ModuleCall) needs ``params`` (default: all of its parameters) gathered."""
+        params = call.params if params is None else params
+        for zp in params:
+            zp.hold(call)
+        traced = [zp for zp in params if not zp.persist]
+        site = call.state.site(kind)
+        if traced:
+            if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params, site):
+                return
+            if self.state is TraceState.RECORD:
+                self._recording.append(make_event(kind, call.state.index, traced))
+        issue(params, site, self.check, self._stamp())
+        wait_gathered(params)
+
+    def _follow(self, call, kind: FetchKind, traced, params, site: FetchSite) -> bool:
+        """The fetch along a complete trace; False when it leaves the trace (then fetched on demand)."""
+        i, index = self._pos, call.state.index
+        ev = self.trace.events[i] if i < len(self.trace) else None
+        if ev is None or not ev.matches(kind, index, traced):
+            expected = ev.describe(self.namer) if ev is not None else "end of the trace"
+            self._leave(f"fetch {i} is the {kind.name.lower()} of module {self.namer(index)}, the trace has "
+                        f"the {expected}", site, traced)
+            return False
+        self._pos, self._last_module = i + 1, index
+        self._unverified += 1
+        if kind is not FetchKind.EXTERNAL:
+            call.trace_index = i
+        self._consume(i)
+        missing = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
+        if missing:
+            self._make_room(sum(zp.numel for zp in missing if not zp.persist), traced)
+            issue(missing, site, self.check, self._stamp())
+            if self.check:
+                self._unverified = 0
+            self.stats.on_demand += 1
+        else:
+            self.stats.served_ahead += 1
+        self._prefetch_ahead()  # issued before waiting: the next gathers start while this one finishes
+        wait_gathered(params)
+        return True
+
+    def release(self, call) -> None:
+        """``call`` is done with its parameters: keep those the trace reuses soon, release the rest."""
+        i, call.trace_index = call.trace_index, -1
+        if i >= 0 and self.state is TraceState.COMPLETE and not self._diverged and self.trace.next_use[i]:
+            self._retain(call, i)
+        release(call.params, call)
+
+    def checkpoint(self) -> None:
+        """Agree on the trace events consumed since this rank's last agreement (see [Note: checking the
+        order along the trace]); nothing to do when there are none."""
+        if not (self._stamped and self._unverified):
+            return
+        self._unverified = 0
+        self.stats.checkpoints += 1
+        self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1, self._stamp())
+
+    def drain(self) -> None:
+        """Wait for the prefetches in flight and drop every hold of the coordinator (what no module call
+        holds is partitioned). Local: the gathers waited for were issued on every rank."""
+        entries, self._prefetched = list(self._prefetched.values()), {}
+        for entry in entries:
+            release(entry.params, entry.hold)
+        retained, self._retained = list(self._retained), {}
+        release(retained, self._retain_hold)
+        self._pending = 0
+        self._ahead = self._pos
+
+    # -- along the trace ---------------------------------------------------------------------------------
+
+    def _stamp(self) -> Tuple[int, ...]:
+        return (self._pos, int(self._diverged)) if self._stamped else ()
+
+    def _consume(self, i: int) -> None:
+        """Event ``i`` runs: its call holds its parameters now, so the coordinator's holds go."""
+        entry = self._prefetched.pop(i, None)
+        if entry is not None:
+            self._pending -= entry.issued
+            for zp in entry.params:
+                zp.unhold(entry.hold)
+        if self._retained:
+            for zp in self.trace.events[i].params:
+                if self._retained.pop(zp, None) is not None:
+                    zp.unhold(self._retain_hold)
+
+    def _prefetch_ahead(self) -> None:
+        if self.bucket == 0 or self._pending > self.bucket // 2:
+            return  # refill once half of the bucket is used: batches of at least half a bucket
+        events = self.trace.events
+        room = self.max_live - self.meter.live
+        j = max(self._ahead, self._pos)
+        batch: List[Tuple[int, List[ZeroParam]]] = []
+        planned, total = set(), 0
+        while j < len(events):
+            need = [zp for zp in events[j].params
+                    if zp.status is ZeroParamStatus.NOT_AVAILABLE and id(zp) not in planned]
+            n = sum(zp.numel for zp in need)
+            if self._pending + total + n > self.bucket or total + n > room:
+                break
+            batch.append((j, need))
+            planned.update(id(zp) for zp in need)
+            total += n
+            j += 1
+        if not batch:
+            return
+        self._ahead = j
+        needed = [zp for _, need in batch for zp in need]
+        if needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
+            site = FetchSite(FetchKind.PREFETCH, events[batch[0][0]].module_index, "", self.namer)
+            self._agree(site, [zp.shape for zp in needed], needed[0].ds_id, self._stamp() + (batch[0][0], j))
+            self._unverified = 0
+        with record_function(f"zero_ext::prefetch (fetches {batch[0][0]}-{j - 1})"):
+            for k, need in batch:
+                ev = events[k]
+                hold = _Hold(f"prefetch for fetch {k} of the trace ({ev.describe(self.namer)})")
+                for zp in ev.params:
+                    zp.hold(hold)
+                issued = issue(need, FetchSite(ev.kind, ev.module_index, "", self.namer), check=False)
+                self._prefetched[k] = _Prefetched(hold, ev.params, issued)
+                self._pending += issued
+        self.stats.batches += 1
+        self.stats.prefetched += len(needed)
+
+    def _retain(self, call, i: int) -> None:
+        reuse = self.trace.next_use[i]
+        leaving = [zp for zp in call.params if not zp.persist and zp.held_only_by(call)
+                   and zp.status is not ZeroParamStatus.NOT_AVAILABLE]
+        after = self.meter.live - sum(zp.numel for zp in leaving)  # the gathered total once they are released
+        for zp in leaving:
+            r = reuse.get(id(zp))
+            if r is not None and r.distance <= self.max_reuse and after + zp.numel <= self.max_live:
+                zp.hold(self._retain_hold)
+                self._retained[zp] = r.index
+                after += zp.numel
+                self.stats.retained += 1
+
+    def _make_room(self, numel: int, keep: Sequence[ZeroParam]) -> None:
+        """Before an on-demand gather of ``numel`` elements: give up kept parameters (furthest next use
+        first) until it fits under max_live_parameters, or none is left."""
+        if not self._retained or self.meter.live + numel <= self.max_live:
+            return
+        keep_ids = {id(zp) for zp in keep}
+        for zp, _ in sorted(self._retained.items(), key=lambda item: -item[1]):
+            if self.meter.live + numel <= self.max_live:
+                break
+            if id(zp) not in keep_ids:
+                del self._retained[zp]
+                release([zp], self._retain_hold)
+
+    def _leave(self, reason: str, site: FetchSite, traced: Sequence[ZeroParam]) -> None:
+        self._diverged, self._left = True, reason
+        self._invalidate(reason)
+        if self._stamped:  # tell the other ranks at once (see [Note: checking the order along the trace])
+            self._unverified = 0
+            self._agree(site, [zp.shape for zp in traced], traced[0].ds_id, self._stamp())
+
+    def _agree(self, site: FetchSite, shapes, first_ds_id: int, stamp: Tuple[int, ...]) -> None:
+        """check_agreement on the trace's group; on FetchOrderError nothing stays gathered ahead."""
+        try:
+            check_agreement(site, shapes, first_ds_id, self._group, self._device, stamp)
+        except FetchOrderError as exc:
+            if self._diverged:  # this rank's own view of where it left the trace
+                exc.args = (f"{exc}\nThis rank left the recorded fetch order: {self._left}",)
+            self._stamped = False  # the step is lost: the raise unwinds it, the next one records again
+            self.state = TraceState.INVALID
+            self.drain()
+            raise
+
+    def _invalidate(self, reason: str) -> None:
+        self.stats.invalidations += 1
+        logger.log(self._log_level, "zero_ext ZeRO-3: fetch trace invalidated (%s); fetching on demand, "
+                   "recording again from the next step", reason)
+        self.state = TraceState.INVALID
+        self.drain()
