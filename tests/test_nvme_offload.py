@@ -153,3 +153,13 @@ def test_a_drive_too_small_is_refused_at_initialize_with_the_bytes(tmp_path, mou
     mounts.append(target)
     with pytest.raises(RankFailed, match=r"bytes needed for swap files, \d+ bytes free"):
         run_ranks(1, _initialize, str(target))
+
+
+def test_a_file_system_without_o_direct_gives_the_same_results(tmp_path, mounts):  # noqa: F811
+    target = mount(tmp_path, "ramfs")  # ramfs refuses O_DIRECT: buffered I/O, one warning
+    mounts.append(target)
+    args = (3, "bf16", "mlp", {"pipeline_read": True, "pipeline_write": True}, str(target), str(tmp_path / "ckpt"))
+    nvme, cpu, _ = run_ranks(2, _nvme_and_cpu, *args)[0]
+    assert nvme[0] == cpu[0]
+    assert all(torch.equal(nvme[1][n], cpu[1][n]) for n in nvme[1])
+    assert nvme[4]["optimizer_state"]["nvme"] > 0

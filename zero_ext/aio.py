@@ -198,11 +198,15 @@ class SwapFile:
 
 
 def _free_bytes(path: str) -> Optional[int]:
+    """Bytes free for this user on path's file system; None when unknown (a file system without a size
+    limit, such as ramfs, reports 0 blocks in all and 0 free)."""
     try:
         st = os.statvfs(os.path.dirname(os.path.abspath(path)) if not os.path.isdir(path) else path)
-        return st.f_bavail * st.f_frsize
     except OSError:
         return None
+    if st.f_blocks == 0:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def _op_error(kind: str, path: str, offset: int, nbytes: int, res) -> AioError:
