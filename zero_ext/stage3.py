@@ -139,6 +139,13 @@ class ShardReducer(StreamingReducer):
         members, self.bucket, self.bucket_numel = self.bucket, [], 0
         if not members:
             return
+        if self.world == 1:  # one rank: each piece is the whole parameter, nothing to reduce or copy
+            for zp in members:
+                gi, i = self.where[id(zp)]
+                g = self.groups[gi]
+                accumulate(g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]], _full_grad(zp), 1.0)
+                zp.param.grad = None
+            return
         while len(self.pending) >= self.MAX_IN_FLIGHT:
             self._complete(self.pending[0])
         numels = [zp.numel for zp in members]
