@@ -237,14 +237,19 @@ def test_grad_accum_dtype_other_than_what_the_stage_does_is_refused():
         _engine(config)
 
 
-def test_communication_data_type_sets_the_bucket_dtype():
+def _bucket_dtype_and_bytes():
     config = {**BASE, "bf16": {"enabled": True}, "communication_data_type": "fp32",
               "zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}
     engine, opt, _, _ = _engine(config)
-    assert opt.reducer.dtype == torch.float32
     loss = engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16))
     engine.backward(loss)
-    assert engine.memory_breakdown()["comm_buffers"]["accelerator"] == 4 * opt.reducer.buffer_numel
+    return opt.reducer.dtype, engine.memory_breakdown()["comm_buffers"]["accelerator"], opt.reducer.buffer_numel
+
+
+def test_communication_data_type_sets_the_bucket_dtype():
+    # two ranks: with one there is nothing to reduce and no bucket (gradients go straight to the partition)
+    for dtype, nbytes, numel in run_ranks(2, _bucket_dtype_and_bytes):
+        assert dtype == torch.float32 and nbytes == 4 * numel
 
 
 def test_config_scheduler_steps_with_applied_steps_only():
