@@ -12,8 +12,6 @@ Z3 = {"stage": 3}
 
 #: For each table entry: a valid config that sets the key to a refused value, and that value.
 CASES = {
-    "zero_optimization.offload_param.device": (
-        {"zero_optimization": {**Z3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}, "nvme"),
     "zero_optimization.offload_optimizer.super_offload": (
         {"zero_optimization": {**Z3, "offload_optimizer": {"device": "cpu",
                                                            "super_offload": True}}}, True),

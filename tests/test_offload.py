@@ -258,14 +258,3 @@ def test_client_optimizer_with_offload_follows_zero_force_ds_cpu_optimizer():
     message, table = run_ranks(1, _client_optimizers)[0]
     assert "zero_force_ds_cpu_optimizer" in message and "AdamW" in message and "CPUAdam" in message
     assert table["optimizer_state"]["accelerator"] == 0 and table["optimizer_state"]["host"] > 0
-
-
-def test_nvme_parameter_offload_is_still_refused_by_name():
-    from zero_ext.config import UnimplementedFeatureError, reject_unimplemented
-
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
-    with pytest.raises(UnimplementedFeatureError, match="offload_param.device"):
-        reject_unimplemented(cfg)
-    reject_unimplemented({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
-        "stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}, "offload_param": {"device": "cpu"}}})

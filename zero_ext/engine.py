@@ -58,6 +58,9 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
             if self.offload.optimizer_device == "nvme":
                 self._attach_nvme()
+        self.nvme_pieces = None  # offload_param nvme (nvme_params.py)
+        if self.offload.param_device == "nvme":
+            self._attach_nvme_params()
         self.lr_scheduler = lr_scheduler
 
     # -- construction ---------------------------------------------------------------------------------
@@ -124,6 +127,43 @@ class ZeroEngine(torch.nn.Module):
         check_nvme_path(oc.nvme_path, need)
         store = NVMeStateStore(oc.nvme_path, oc.buffer_count, aio=self._config.aio, pin_memory=oc.pin_memory)
         self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init)
+
+    def _attach_nvme_params(self) -> None:
+        """offload_param.device = "nvme" (stage 3): the 16-bit pieces go to swap files under its nvme_path —
+        one file per optimizer sub-group's piece buffer, one per other piece (frozen parameters, or every
+        piece of a forward-only engine) — and are read through buffer_count host buffers when used."""
+        from .aio import check_nvme_path
+        from .config import ConfigError
+        from .nvme_params import NVMePieces
+        from .nvme_states import NVMeStateStore
+        from .zero.param import zero_param_of
+
+        zc = self._config.zero_optimization
+        pc = zc.offload_param
+        opt = self.optimizer
+        if opt is not None and (not self.offload.optimizer or self.offload.ratio < 1.0):
+            raise ConfigError('zero_optimization.offload_param.device = "nvme" needs the optimizer offloaded whole: '
+                              'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
+        groups = opt.flat_groups if opt is not None else []
+        in_groups = {id(zp) for g in groups for zp in g.zparams}
+        others = [zp for zp in {id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values()
+                  if id(zp) not in in_groups]
+        sizes = [g.flat.numel() for g in groups] + [zp.shard_numel for zp in others]
+        if sizes and max(sizes) > pc.buffer_size:
+            raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
+                              f"than the largest group of pieces ({max(sizes)} elements): raise buffer_size, or "
+                              "lower zero_optimization.sub_group_size")
+        elem = next(iter(self.module.parameters())).element_size()
+        check_nvme_path(pc.nvme_path, sum(n * elem + 4096 for n in sizes))
+        store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=self._config.aio, pin_memory=pc.pin_memory)
+        pieces = NVMePieces(store)
+        for k, g in enumerate(groups):
+            pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
+        for zp in others:
+            pieces.add_piece(("piece", zp.ds_id), zp)
+        self.nvme_pieces = pieces
+        if opt is not None:
+            opt.nvme_pieces = pieces
 
     def empty_partition_cache(self) -> None:
         """Stage 3: releases every gathered parameter, persistent ones too (the next forward gathers
@@ -356,12 +396,19 @@ class ZeroEngine(torch.nn.Module):
             account.bytes["fp32_master"]["nvme"] += masters
             account.bytes["optimizer_state"]["nvme"] += states
             account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
+        if self.nvme_pieces is not None:
+            account.bytes["params"]["nvme"] += self.nvme_pieces.nvme_bytes()
+            account.bytes["comm_buffers"]["host"] += self.nvme_pieces.store.host_bytes()
         return account.table()
 
     def _state_in_memory(self, modified: bool):
-        """NVMe offload: masters and optimizer state in memory for a checkpoint (ZeroOptimizer.materialized)."""
-        return self.optimizer.materialized(modified=modified) if self.optimizer is not None \
-            else contextlib.nullcontext()
+        """NVMe offload: masters, optimizer state and 16-bit pieces in memory for a checkpoint
+        (ZeroOptimizer.materialized)."""
+        if self.optimizer is not None:
+            return self.optimizer.materialized(modified=modified)
+        if self.nvme_pieces is not None:
+            return self.nvme_pieces.materialized(modified)
+        return contextlib.nullcontext()
 
     def _host_placed(self) -> List[torch.Tensor]:
         """Tensors the offload config keeps in host memory: the offloaded optimizer's masters, gradient
@@ -466,6 +513,9 @@ class ZeroEngine(torch.nn.Module):
         if self.optimizer is not None:
             self.optimizer.destroy_offload()
             self.optimizer.release()
+        if self.nvme_pieces is not None:  # the model keeps its weights: pieces back in host memory first
+            self.nvme_pieces.bring_home()
+            self.nvme_pieces = None
         if self.zero_model is not None:
             self.zero_model.destroy()
             self.zero_model = None

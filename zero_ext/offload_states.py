@@ -66,6 +66,8 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
                 out.append(g.lp_grad)
             if g.lp_grad is None or g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
                 out.append(g.grad)
+    if kind == OffloadStateTypeEnum.lp_params and getattr(engine, "nvme_pieces", None) is not None:
+        return []  # offload_param nvme: the pieces live in swap files, not on the accelerator
     if kind == OffloadStateTypeEnum.lp_params:
         for p in engine.module.parameters():
             if not p.requires_grad:  # frozen: the parameter itself, or at stage 3 its piece
@@ -80,7 +82,9 @@ def _repoint(engine) -> None:
     """Views follow their bases: parameters (stage 3: pieces), fp32 masters of fp32 models, gradients of
     stages 0/1."""
     for g in engine.optimizer.flat_groups:
-        if hasattr(g, "zparams"):  # stage 3: each piece is a view of the sub-group's buffer
+        if hasattr(g, "zparams") and getattr(engine, "nvme_pieces", None) is not None:
+            pass  # offload_param nvme: the pieces follow their swap group (nvme_params.py)
+        elif hasattr(g, "zparams"):  # stage 3: each piece is a view of the sub-group's buffer
             for zp, off, s in zip(g.zparams, g.offsets, g.shards):
                 zp.shard.data = g.flat[off:off + s]
         else:

@@ -54,7 +54,7 @@ def _in_memory(modified: bool):
         def call(param, *args, **kwargs):
             owner = getattr(param, "_zx_state", None)
             opt = owner[0]() if owner is not None else None
-            if opt is None or getattr(opt, "nvme", None) is None:
+            if opt is None or (getattr(opt, "nvme", None) is None and getattr(opt, "nvme_pieces", None) is None):
                 return fn(param, *args, **kwargs)
             with opt.materialized([owner[1]], modified=modified):
                 return fn(param, *args, **kwargs)

@@ -59,6 +59,7 @@ class ZeroOptimizer:
         self.at_boundary = lambda: True  # the engine replaces it with its own accumulation test
         self.after_step_hooks = []  # run after each applied step (stage 3: refresh persistent parameters)
         self.nvme = None  # ZeRO-Infinity: the NVMeStateStore holding masters and optimizer state (attach_nvme)
+        self.nvme_pieces = None  # offload_param nvme: the 16-bit pieces in swap files (nvme_params.py)
         self._pipeline = (False, False)
         self._materialized = set()  # NVMe groups held in ordinary memory by materialized()
         # each trainable parameter knows its place, for the state routines (state.py)
@@ -174,25 +175,36 @@ class ZeroOptimizer:
         clipped as they are loaded, the masters updated, and the model's 16-bit copy written in the same
         pass — straight into the parameters when they are in host memory, else into a staging buffer
         that is then copied to the device."""
-        by_master = {id(g.master): g for g in self.flat_groups}
-        targets = {id(g): _lp_target(g) for g in self.flat_groups}
-        outs = [[targets[id(by_master[id(m)])] for m in pg["params"]] for pg in self.optimizer.param_groups]
-        if self.nvme is None:
+        if self.nvme is None and self.nvme_pieces is None:
+            by_master = {id(g.master): g for g in self.flat_groups}
+            targets = {id(g): _lp_target(g) for g in self.flat_groups}
+            outs = [[targets[id(by_master[id(m)])] for m in pg["params"]] for pg in self.optimizer.param_groups]
             self.optimizer.step(fp16_param_groups=outs, grad_scale=combined)
             for g in self.flat_groups:
                 _lp_upload(g, targets[id(g)])
             return
-        # NVMe: the groups stream through the store's buffers (the next read and the previous write-back
-        # overlap this group's update with pipeline_read / pipeline_write)
-        keys = [k for k in range(len(self.flat_groups)) if k not in self._materialized]
-        for k in self.nvme.stream(keys, *self._pipeline):
-            g = self.flat_groups[k]
-            self.optimizer.step(fp16_param_groups=outs, grad_scale=combined, params=[g.master])
-            _lp_upload(g, targets[id(g)])
+        # NVMe: one group at a time. Optimizer state streams through the store's buffers (the next read and
+        # the previous write-back overlap this group's update with pipeline_read / pipeline_write); with
+        # offload_param nvme the group's 16-bit pieces are brought in as the output and written back.
+        keys = list(range(len(self.flat_groups)))
+        if self.nvme is None:
+            for k in keys:
+                self._step_group(k, combined)
+            return
+        for k in self.nvme.stream([k for k in keys if k not in self._materialized], *self._pipeline):
+            self._step_group(k, combined)
         for k in sorted(self._materialized):  # (a step inside materialized(): those are in memory)
-            g = self.flat_groups[k]
+            self._step_group(k, combined)
+
+    def _step_group(self, k: int, combined: float) -> None:
+        g = self.flat_groups[k]
+        pieces = self.nvme_pieces.resident_key(("lp", k), modified=True) if self.nvme_pieces is not None \
+            else contextlib.nullcontext()
+        with pieces:
+            target = _lp_target(g)
+            outs = [[target if m is g.master else None for m in pg["params"]] for pg in self.optimizer.param_groups]
             self.optimizer.step(fp16_param_groups=outs, grad_scale=combined, params=[g.master])
-            _lp_upload(g, targets[id(g)])
+            _lp_upload(g, target)
 
     # -- NVMe (ZeRO-Infinity) -----------------------------------------------------------------------------
 
@@ -230,7 +242,16 @@ class ZeroOptimizer:
     def materialized(self, keys=None, modified: bool = True):
         """NVMe: the masters and optimizer state of groups ``keys`` (indices; default all) in ordinary host
         memory for the block — what the state routines, checkpoints and GatheredParameters read and write —
-        and written back after it (unless ``modified`` is False). Without NVMe: nothing to do."""
+        and written back after it (unless ``modified`` is False); with offload_param nvme their 16-bit
+        pieces too (default: every piece, frozen ones included). Without NVMe: nothing to do."""
+        pieces = contextlib.nullcontext()
+        if self.nvme_pieces is not None:
+            pieces = self.nvme_pieces.materialized(modified, None if keys is None else [("lp", k) for k in keys])
+        with pieces, self._materialized_states(keys, modified):
+            yield
+
+    @contextlib.contextmanager
+    def _materialized_states(self, keys, modified: bool):
         if self.nvme is None:
             yield
             return

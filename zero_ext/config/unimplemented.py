@@ -24,8 +24,6 @@ Entry = Union[str, Dict[str, Any]]
 
 UNIMPLEMENTED: Dict[str, Entry] = {
     # -- ZeRO stage 3 and its relatives --------------------------------------------------------
-    "zero_optimization.offload_param.device": {"reason": "parameter offload to NVMe (ZeRO-Infinity)",
-                                               "values": ["nvme"]},
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
     "zero_optimization.zero_quantized_weights": "ZeRO++ quantized weights (qwZ)",

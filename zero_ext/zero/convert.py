@@ -35,13 +35,13 @@ def resolve_group(data_parallel_group=None, mpu=None):
 
 
 def shard_device(remote_device, compute: torch.device) -> torch.device:
-    """Where pieces live: ``remote_device`` ("cpu") when given, else next to the computation."""
+    """Where pieces live: ``remote_device`` ("cpu") when given, else next to the computation. "nvme":
+    in host memory until ``initialize`` moves them to swap files (offload_param.device = "nvme")."""
     if remote_device in (None, "none"):
         return compute
     device = str(getattr(remote_device, "value", remote_device))
     if device == "nvme":
-        raise NotImplementedError("zero_ext: remote_device='nvme' (parameter swapping to NVMe) is not "
-                                  "implemented yet; use remote_device='cpu' or None")
+        return torch.device("cpu")
     return torch.device(device)
 
 

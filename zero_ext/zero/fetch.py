@@ -83,7 +83,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                 _agree(bucket, site, group, stamp)
             with record_function(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
-                pending = collectives.all_gather_pieces_async([zp.shard for zp in bucket], outputs,
+                pending = collectives.all_gather_pieces_async([zp.read_piece() for zp in bucket], outputs,
                                                               [zp.numel for zp in bucket], group)
                 gather = _Gather(pending, bucket)
                 for zp in bucket:

@@ -253,7 +253,8 @@ class Init(contextlib.ContextDecorator):
     - ``data_parallel_group`` (or ``mpu.get_data_parallel_group()``): the group parameters are
       partitioned over; default: all ranks.
     - ``remote_device``: ``"cpu"`` keeps the pieces in host memory (``pin_memory`` pins them when CUDA
-      is present); None keeps them on the local device. ``"nvme"`` is not implemented yet.
+      is present); None keeps them on the local device. ``"nvme"``: in host memory until ``initialize``
+      (with ``offload_param.device = "nvme"``) moves them into swap files.
     - ``config_dict_or_path`` (``config``: deprecated spelling): a DeepSpeed config; its
       ``zero_optimization.offload_param`` decides ``remote_device``/``pin_memory``,
       ``override_module_apply`` the Module.apply patch, and ``bf16``/``fp16`` the dtype (else float32).
@@ -297,7 +298,7 @@ class Init(contextlib.ContextDecorator):
             raise ValueError(f"zero.Init: dtype must be torch.half, torch.bfloat16 or torch.float32, not {dtype}")
         self.dtype = dtype
         self.device = convert.local_device()
-        convert.shard_device(remote_device, self.device)  # refuses nvme now rather than at the first module
+        convert.shard_device(remote_device, self.device)  # an unknown device fails here, not at the first module
         self.remote_device, self.pin_memory = remote_device, pin_memory
         if not dist.is_initialized():
             comm.init_distributed(verbose=False)

@@ -30,6 +30,7 @@ its ``[Note: FSDP and autograd]``). Reading such a view while partitioned raises
 into ``_padded`` (one parameter) or is copied out into it (several, see collectives.py), so there is
 one allocation per gather and nothing to trim.
 """
+import contextlib
 import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Optional
@@ -112,6 +113,7 @@ class ZeroParam:
         self.gathers = 0  # how many times the parameter was gathered (diagnostics and tests)
         self.pending_gather = None  # while INFLIGHT: the collective filling the storage (fetch.py waits on it)
         self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
+        self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme_params.NVMePieces)
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
@@ -192,6 +194,14 @@ class ZeroParam:
 
     # -- the piece ---------------------------------------------------------------------------------------
 
+    def read_piece(self) -> torch.Tensor:
+        """The piece's values, for a gather (a copy when the piece lives on NVMe)."""
+        return self.shard if self.piece_io is None else self.piece_io.read(self)
+
+    def piece_in_memory(self, modified: bool = True):
+        """Context: the piece in memory for the block (a no-op unless it lives on NVMe)."""
+        return contextlib.nullcontext() if self.piece_io is None else self.piece_io.resident(self, modified)
+
     def write_back(self) -> None:
         """Copy this rank's part of the (gathered, possibly modified) full value into the piece, with the
         padding zeroed, then tell the update hooks. The full value is ``param.data``: if code replaced it
@@ -202,11 +212,11 @@ class ZeroParam:
         flat = self._full.reshape(-1)
         start = self.rank * self.shard_numel
         valid = planner.shard_valid(self.numel, self.world, self.rank)
-        with torch.no_grad():
+        with self.piece_in_memory(), torch.no_grad():
             self.shard[:valid].copy_(flat[start: start + valid])
             self.shard[valid:].zero_()
-        for hook in list(self._update_hooks.values()):
-            hook(self)
+            for hook in list(self._update_hooks.values()):
+                hook(self)
 
     def adopt_replaced_data(self) -> None:
         """If ``param.data`` was replaced while gathered, copy the new value into the full storage and
@@ -304,7 +314,7 @@ class ZeroParam:
         copy = torch.nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.compute_device),
                                   requires_grad=self.param.requires_grad)
         memo[id(self.param)] = copy
-        owner = ZeroParam(copy, next_ds_id(), self.group, self.rank, self.world, self.shard.clone(),
+        owner = ZeroParam(copy, next_ds_id(), self.group, self.rank, self.world, self.read_piece().clone(),
                           self.compute_device, self.shape)
         owner.name = self.name
         return copy

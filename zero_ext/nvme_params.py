@@ -1,0 +1,138 @@
+"""``offload_param.device = "nvme"`` (ZeRO-Infinity, stage 3): the 16-bit parameter pieces in swap files.
+
+Each optimizer sub-group keeps its trainable pieces back to back in one buffer (ShardGroup.flat, whose
+views are the parameters' ``ds_tensor``); that buffer is one swap group here, and each frozen (or, in
+a forward-only engine, every) piece is a group of its own. Outside a use, the buffer and the pieces are
+empty tensors (identity kept, as in nvme_states.py). The pieces are brought into host memory only where
+they are used, through the store's ``buffer_count`` buffers:
+- a gather reads each piece and copies it out at once (``read``): one buffer at a time;
+- the optimizer step makes one sub-group's buffer resident, writes the new 16-bit values, writes back;
+- a modified full value (GatheredParameters with ``modifier_rank``, Module.apply) is written back into
+  its piece (``resident``);
+- checkpoints, state routines and offload_states bring every group into ordinary memory for the call
+  (``materialized``).
+"""
+import contextlib
+from typing import Dict, Hashable, List, Tuple
+
+import torch
+
+from .nvme_states import NVMeStateStore
+
+
+class NVMePieces:
+    def __init__(self, store: NVMeStateStore):
+        self.store = store
+        self._views: Dict[Hashable, List[Tuple[object, int, int]]] = {}  # key -> (ZeroParam, offset, size)
+        self._key_of: Dict[int, Hashable] = {}  # id(ZeroParam) -> key
+        self._resident: Dict[Hashable, int] = {}  # key -> nesting depth of resident()/materialized()
+        self._owners: List[object] = []  # every ZeroParam whose piece is here
+        self.numel = 0
+
+    # -- registration --------------------------------------------------------------------------------------
+
+    def add_buffer(self, key: Hashable, flat: torch.Tensor, members) -> None:
+        """A buffer whose views are the pieces of ``members`` ((ZeroParam, offset, size) each)."""
+        self.store.register(key, [flat])
+        self._views[key] = list(members)
+        for zp, _, _ in members:
+            self._key_of[id(zp)] = key
+            zp.piece_io = self
+            self._owners.append(zp)
+        self.numel += flat.numel()
+        self._point(key, None)
+
+    def add_piece(self, key: Hashable, zp) -> None:
+        """A piece that is its own tensor (frozen parameters)."""
+        self.store.register(key, [zp.shard])
+        self._views[key] = []
+        self._key_of[id(zp)] = key
+        zp.piece_io = self
+        self._owners.append(zp)
+        self.numel += zp.shard_numel
+
+    def _point(self, key, flat) -> None:
+        """The pieces of a buffer group follow its storage: views of it while resident, empty otherwise."""
+        for zp, off, size in self._views[key]:
+            zp.shard.data = flat[off:off + size] if flat is not None else torch.empty(0, dtype=zp.dtype)
+
+    # -- use ---------------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def resident_key(self, key: Hashable, modified: bool):
+        if self._resident.get(key):
+            self._resident[key] += 1
+            try:
+                yield
+            finally:
+                self._resident[key] -= 1
+            return
+        with self.store.resident(key, modified=modified) as tensors:
+            self._resident[key] = 1
+            if self._views[key]:
+                self._point(key, tensors[0])
+            try:
+                yield
+            finally:
+                self._resident[key] = 0
+                if self._views[key]:
+                    self._point(key, None)
+
+    def resident(self, zp, modified: bool = True):
+        """``zp``'s piece in memory for the block (its whole group), written back after it if modified."""
+        return self.resident_key(self._key_of[id(zp)], modified)
+
+    def read(self, zp) -> torch.Tensor:
+        """A copy of ``zp``'s piece (for a gather, which packs its input at once)."""
+        with self.resident(zp, modified=False):
+            return zp.shard.detach().clone()
+
+    @contextlib.contextmanager
+    def materialized(self, modified: bool, keys=None):
+        """The pieces of groups ``keys`` (default: every piece) in ordinary host memory for the block
+        (checkpoints, state routines, offload_states), written back after it if ``modified``."""
+        keys = [k for k in (self._views if keys is None else keys) if not self._resident.get(k)]
+        copies = {}
+        for k in keys:
+            with self.store.resident(k, modified=False) as tensors:
+                copies[k] = tensors[0].detach().clone()
+        try:
+            for k in keys:
+                self.store.tensors(k)[0].data = copies[k]
+                if self._views[k]:
+                    self._point(k, copies[k])
+                self._resident[k] = 1
+            yield
+        finally:
+            for k in keys:
+                self._resident[k] = 0
+                t = self.store.tensors(k)[0]
+                value = t.data
+                t.data = torch.empty(0, dtype=t.dtype)
+                if self._views[k]:
+                    self._point(k, None)
+                if modified:
+                    with self.store.resident(k, modified=True) as tensors:
+                        tensors[0].copy_(value)
+
+    def bring_home(self) -> None:
+        """Every piece back in ordinary host memory for good, and the swap files removed (engine.destroy():
+        the model keeps its weights)."""
+        copies = {}
+        for k in self._views:
+            with self.store.resident(k, modified=False) as tensors:
+                copies[k] = (tensors[0], tensors[0].detach().clone())
+        self.store.destroy()  # (releases every registered tensor)
+        for k, (t, copy) in copies.items():
+            t.data = copy
+            if self._views[k]:
+                self._point(k, copy)
+        for zp in self._owners:
+            zp.piece_io = None
+        self._views, self._key_of, self._owners = {}, {}, []
+
+    def nvme_bytes(self) -> int:
+        return self.store.nvme_bytes()
+
+    def destroy(self) -> None:
+        self.store.destroy()
