@@ -156,7 +156,7 @@ class ZeroEngine(torch.nn.Module):
         elem = next(iter(self.module.parameters())).element_size()
         check_nvme_path(pc.nvme_path, sum(n * elem + 4096 for n in sizes))
         store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=self._config.aio, pin_memory=pc.pin_memory)
-        pieces = NVMePieces(store)
+        pieces = NVMePieces(store, pc.max_in_cpu)
         for k, g in enumerate(groups):
             pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
         for zp in others:
@@ -398,6 +398,8 @@ class ZeroEngine(torch.nn.Module):
             account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
         if self.nvme_pieces is not None:
             account.bytes["params"]["nvme"] += self.nvme_pieces.nvme_bytes()
+            for t in self.nvme_pieces.cached_tensors():  # (max_in_cpu's host copies)
+                account.add("params", t, tier="host")
             account.bytes["comm_buffers"]["host"] += self.nvme_pieces.store.host_bytes()
         return account.table()
 

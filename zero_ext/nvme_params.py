@@ -5,7 +5,9 @@ views are the parameters' ``ds_tensor``); that buffer is one swap group here, an
 a forward-only engine, every) piece is a group of its own. Outside a use, the buffer and the pieces are
 empty tensors (identity kept, as in nvme_states.py). The pieces are brought into host memory only where
 they are used, through the store's ``buffer_count`` buffers:
-- a gather reads each piece and copies it out at once (``read``): one buffer at a time;
+- a gather reads each piece and copies it out at once (``read``): one buffer at a time; up to
+  ``offload_param.max_in_cpu`` elements of recently read groups stay cached in host memory (exact
+  copies, refreshed by every write-back), so a backward's gather after the forward's reads no file;
 - the optimizer step makes one sub-group's buffer resident, writes the new 16-bit values, writes back;
 - a modified full value (GatheredParameters with ``modifier_rank``, Module.apply) is written back into
   its piece (``resident``);
@@ -13,6 +15,7 @@ they are used, through the store's ``buffer_count`` buffers:
   (``materialized``).
 """
 import contextlib
+from collections import OrderedDict
 from typing import Dict, Hashable, List, Tuple
 
 import torch
@@ -21,12 +24,18 @@ from .nvme_states import NVMeStateStore
 
 
 class NVMePieces:
-    def __init__(self, store: NVMeStateStore):
+    def __init__(self, store: NVMeStateStore, max_in_cpu: int = 0):
         self.store = store
+        # offload_param.max_in_cpu: up to this many elements of groups stay cached in host memory
+        # (least recently read dropped first), exact copies kept current by every write-back
+        self.max_in_cpu = max_in_cpu
+        self._cache: "OrderedDict[Hashable, torch.Tensor]" = OrderedDict()
+        self._cached = 0
         self._views: Dict[Hashable, List[Tuple[object, int, int]]] = {}  # key -> (ZeroParam, offset, size)
         self._key_of: Dict[int, Hashable] = {}  # id(ZeroParam) -> key
         self._resident: Dict[Hashable, int] = {}  # key -> nesting depth of resident()/materialized()
         self._owners: List[object] = []  # every ZeroParam whose piece is here
+        self._writing: Dict[Hashable, bool] = {}  # key -> whether its outermost use writes it back
         self.numel = 0
 
     # -- registration --------------------------------------------------------------------------------------
@@ -61,6 +70,9 @@ class NVMePieces:
     @contextlib.contextmanager
     def resident_key(self, key: Hashable, modified: bool):
         if self._resident.get(key):
+            if modified and not self._writing.get(key):  # the outer use would not write it back: lost
+                raise RuntimeError(f"NVMe piece group {key!r}: a write inside a read-only use; bring it in "
+                                   "with modified=True in the outer use")
             self._resident[key] += 1
             try:
                 yield
@@ -69,12 +81,15 @@ class NVMePieces:
             return
         with self.store.resident(key, modified=modified) as tensors:
             self._resident[key] = 1
+            self._writing[key] = modified
             if self._views[key]:
                 self._point(key, tensors[0])
             try:
                 yield
             finally:
                 self._resident[key] = 0
+                if modified:
+                    self._refresh(key, tensors[0])
                 if self._views[key]:
                     self._point(key, None)
 
@@ -83,9 +98,42 @@ class NVMePieces:
         return self.resident_key(self._key_of[id(zp)], modified)
 
     def read(self, zp) -> torch.Tensor:
-        """A copy of ``zp``'s piece (for a gather, which packs its input at once)."""
-        with self.resident(zp, modified=False):
-            return zp.shard.detach().clone()
+        """``zp``'s piece, for a gather (which packs its input at once): from the host cache, or read from
+        NVMe (and cached when max_in_cpu allows)."""
+        key = self._key_of[id(zp)]
+        data = self._cache.get(key)
+        if data is None:
+            with self.resident_key(key, modified=False):
+                data = self.store.tensors(key)[0].detach().clone()
+            self._remember(key, data)
+        else:
+            self._cache.move_to_end(key)
+        return self._piece_of(key, zp, data)
+
+    def _piece_of(self, key, zp, data: torch.Tensor) -> torch.Tensor:
+        for owner, off, size in self._views[key]:
+            if owner is zp:
+                return data[off:off + size]
+        return data  # a piece that is its own group
+
+    def _remember(self, key, data: torch.Tensor) -> None:
+        n = data.numel()
+        if n > self.max_in_cpu:
+            return
+        while self._cached + n > self.max_in_cpu and self._cache:
+            _, old = self._cache.popitem(last=False)
+            self._cached -= old.numel()
+        self._cache[key] = data
+        self._cached += n
+
+    def _refresh(self, key, data: torch.Tensor) -> None:
+        """A group was written: its cached copy follows."""
+        cached = self._cache.get(key)
+        if cached is not None:
+            cached.copy_(data)
+
+    def cached_tensors(self):
+        return list(self._cache.values())
 
     @contextlib.contextmanager
     def materialized(self, modified: bool, keys=None):
@@ -102,6 +150,7 @@ class NVMePieces:
                 if self._views[k]:
                     self._point(k, copies[k])
                 self._resident[k] = 1
+                self._writing[k] = modified
             yield
         finally:
             for k in keys:
@@ -114,6 +163,7 @@ class NVMePieces:
                 if modified:
                     with self.store.resident(k, modified=True) as tensors:
                         tensors[0].copy_(value)
+                    self._refresh(k, value)
 
     def bring_home(self) -> None:
         """Every piece back in ordinary host memory for good, and the swap files removed (engine.destroy():
