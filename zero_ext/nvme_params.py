@@ -36,7 +36,6 @@ class NVMePieces:
         self._resident: Dict[Hashable, int] = {}  # key -> nesting depth of resident()/materialized()
         self._owners: List[object] = []  # every ZeroParam whose piece is here
         self._writing: Dict[Hashable, bool] = {}  # key -> whether its outermost use writes it back
-        self.numel = 0
 
     # -- registration --------------------------------------------------------------------------------------
 
@@ -48,7 +47,6 @@ class NVMePieces:
             self._key_of[id(zp)] = key
             zp.piece_io = self
             self._owners.append(zp)
-        self.numel += flat.numel()
         self._point(key, None)
 
     def add_piece(self, key: Hashable, zp) -> None:
@@ -58,7 +56,6 @@ class NVMePieces:
         self._key_of[id(zp)] = key
         zp.piece_io = self
         self._owners.append(zp)
-        self.numel += zp.shard_numel
 
     def _point(self, key, flat) -> None:
         """The pieces of a buffer group follow its storage: views of it while resident, empty otherwise."""
@@ -183,6 +180,3 @@ class NVMePieces:
 
     def nvme_bytes(self) -> int:
         return self.store.nvme_bytes()
-
-    def destroy(self) -> None:
-        self.store.destroy()
