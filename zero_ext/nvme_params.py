@@ -11,8 +11,8 @@ they are used, through the store's ``buffer_count`` buffers:
 - the optimizer step makes one sub-group's buffer resident, writes the new 16-bit values, writes back;
 - a modified full value (GatheredParameters with ``modifier_rank``, Module.apply) is written back into
   its piece (``resident``);
-- checkpoints, state routines and offload_states bring every group into ordinary memory for the call
-  (``materialized``).
+- checkpoints and the state routines bring the groups they touch into ordinary memory for the call
+  (``materialized``); offload_states leaves the pieces where they are (they are not on the accelerator).
 """
 import contextlib
 from collections import OrderedDict
