@@ -152,6 +152,11 @@ class Fio:
 def load_deepspeed():
     """DeepSpeed's async_io module, or the reason it cannot be had here."""
     try:
+        import deepspeed
+
+        if "zeroext" in getattr(deepspeed, "__version__", ""):
+            return None, (f"the `deepspeed` under {sys.executable} is zero_ext's compatibility package: run this "
+                          "script with the python of a venv where DeepSpeed is installed")
         from deepspeed.ops.op_builder import AsyncIOBuilder
     except Exception as exc:  # noqa: BLE001 - any failure means: no DeepSpeed column
         return None, f"deepspeed is not importable under {sys.executable} ({type(exc).__name__}: {exc})"

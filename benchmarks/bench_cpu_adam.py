@@ -44,14 +44,18 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 def load_deepspeed(site):
     """DeepSpeedCPUAdam, or (None, why)."""
     if site:
-        sys.path.append(site)
+        sys.path.insert(0, site)  # ahead of zero_ext's own `deepspeed` compatibility package
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/dsext")
     try:
         import logging
 
         logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+        import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        if "zeroext" in getattr(deepspeed, "__version__", ""):
+            return None, ("the `deepspeed` found is zero_ext's compatibility package, not DeepSpeed: pass "
+                          "--ds-site with a venv where DeepSpeed is installed")
         probe = torch.nn.Parameter(torch.zeros(16))
         probe.grad = torch.zeros(16)
         DeepSpeedCPUAdam([probe]).step()  # builds (or loads) the op
