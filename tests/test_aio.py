@@ -625,3 +625,36 @@ def test_swap_dirs_go_at_clean_exit_and_leftovers_are_never_read(tmp_path, caplo
             sw.swap_in("x", aligned_empty(10000))  # never read as state of this run
     live.destroy()
     assert os.listdir(tmp_path) == []
+
+
+def _reap_forever(root, stop_at):
+    from zero_ext.aio import _reap_leftovers
+
+    while time.time() < stop_at:
+        _reap_leftovers(root)
+    return True
+
+
+def test_a_reaper_in_another_process_never_takes_a_live_swap_dir(tmp_path):
+    """Two runs share nvme_path: one's start-up reaping must never remove the other's directory in the
+    instant between its creation and its lock (seen once in CI as 'cannot create swap file')."""
+    import multiprocessing
+
+    from zero_ext.aio import SwapDir
+
+    ctx = multiprocessing.get_context("fork")
+    stop_at = time.time() + 3.0
+    reaper = ctx.Process(target=_reap_forever, args=(str(tmp_path), stop_at))
+    reaper.start()
+    lost = made = 0
+    try:
+        while time.time() < stop_at:
+            d = SwapDir(tmp_path, check=False)
+            made += 1
+            with open(d.file("probe.swp"), "wb") as f:  # fails if the reaper removed the directory
+                f.write(b"x")
+            lost += not os.path.isfile(os.path.join(d.path, ".lock"))
+            d.destroy()
+    finally:
+        reaper.join(10)
+    assert made > 50 and lost == 0

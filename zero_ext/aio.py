@@ -592,11 +592,15 @@ class SwapDir:
         prefix = f"{SWAP_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-"
         try:
             self.path = tempfile.mkdtemp(prefix=prefix, dir=root)  # mode 0700
-            lock = os.open(os.path.join(self.path, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # the lock file appears already locked (made under another name, locked, renamed): another
+            # process's _reap_leftovers must never find it unlocked and take this live directory for dead
+            pending = os.path.join(self.path, ".lock.new")
+            lock = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            os.rename(pending, os.path.join(self.path, ".lock"))
         except OSError as exc:
             raise AioError(exc.errno, f"cannot create a swap directory in {root}: {exc.strerror}",
                            root) from None
-        fcntl.flock(lock, fcntl.LOCK_EX)
         self._finalizer = weakref.finalize(self, _remove_tree, self.path, lock)
 
     def file(self, name: str) -> str:
