@@ -162,3 +162,41 @@ def _without_optimizer_offload(nvme_path):
 
 def test_parameter_offload_to_nvme_needs_the_optimizer_offloaded(tmp_path):
     assert "offload_optimizer.device" in run_ranks(1, _without_optimizer_offload, str(tmp_path))[0]
+
+
+def _built_under_init(nvme_path):
+    import zero_ext
+    from zero_ext.zero import zero_param_of
+
+    cfg = _config("bf16", "nvme", "cpu", nvme_path)
+    torch.manual_seed(0)
+    with zero_ext.zero.Init(config_dict_or_path=cfg):
+        model = MODELS["mlp"]()
+    zps = [zero_param_of(p) for p in model.parameters()]
+    # every piece went to its swap file as its module was built: nothing of it is left in host memory
+    on_nvme = all(zp.piece_io is not None and zp.shard.numel() == 0 for zp in zps)
+    engine, _, _, _ = zero_ext.initialize(model=model, config=cfg)
+    frozen_kept = all(zero_param_of(p).piece_io is not None for p in model.parameters() if not p.requires_grad)
+    x, y = MODELS["mlp"].batch(2, torch.Generator().manual_seed(1), torch.bfloat16)
+    engine.backward(engine.module.loss((x, y)))
+    engine.step()
+    engine.destroy()
+    return on_nvme, frozen_kept
+
+
+def test_zero_init_with_remote_device_nvme_writes_each_piece_as_it_is_made(tmp_path):
+    for on_nvme, frozen_kept in run_ranks(2, _built_under_init, str(tmp_path)):
+        assert on_nvme and frozen_kept
+
+
+def test_zero_init_remote_device_nvme_without_a_path_is_refused():
+    assert "offload_param.nvme_path" in run_ranks(1, _module_level_refused)[0]
+
+
+def _module_level_refused():
+    import zero_ext
+
+    try:
+        zero_ext.zero.Init(remote_device="nvme")
+    except ValueError as exc:
+        return str(exc)

@@ -247,7 +247,7 @@ def test_init_options():
         assert out["config"] == ("cpu", torch.bfloat16, torch.int64)  # only floating tensors are cast
         assert out["decorator"] == [True, True]
         assert out["nested"] == (True, False) and out["nested_exit"] is True
-        assert out["{'remote_device': 'nvme'}"] == "no error"  # pieces on the host until initialize
+        assert out["{'remote_device': 'nvme'}"] == "ValueError"  # needs offload_param.nvme_path from a config
         assert out["{'zero_quantized_weights': True}"] == "NotImplementedError"
         assert out["{'dtype': torch.float64}"] == "ValueError"
 

@@ -53,14 +53,16 @@ class ZeroEngine(torch.nn.Module):
         self.offload = OffloadPlan(config.zero_optimization)  # ZeRO-Offload placement (offload.py)
         self.training_dataloader = training_dataloader
         self.optimizer = None  # a forward-only engine has none (initialize without an optimizer)
+        self.nvme_pieces = None  # offload_param nvme (nvme_params.py): opened before the sub-groups are made
+        if self.offload.param_device == "nvme":
+            self.nvme_pieces = self._open_nvme_pieces(base_optimizer is not None)
         if base_optimizer is not None:
             self.optimizer = self._build_zero_optimizer(base_optimizer)
             self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
             if self.offload.optimizer_device == "nvme":
                 self._attach_nvme()
-        self.nvme_pieces = None  # offload_param nvme (nvme_params.py)
-        if self.offload.param_device == "nvme":
-            self._attach_nvme_params()
+        if self.nvme_pieces is not None:
+            self._attach_other_pieces()
         self.lr_scheduler = lr_scheduler
 
     # -- construction ---------------------------------------------------------------------------------
@@ -103,8 +105,9 @@ class ZeroEngine(torch.nn.Module):
         from .stage3 import ShardReducer, build_shard_groups
 
         cfg, zc = self._config, self._config.zero_optimization
+        on_group = self._register_piece_group if self.nvme_pieces is not None else None
         _, groups = build_shard_groups(base, self.zero_model, zc.sub_group_size, self.global_rank, self.world_size,
-                                       plan=self.offload)
+                                       plan=self.offload, on_group=on_group)
         reducer = ShardReducer(groups, self.zero_model, zc.reduce_bucket_size, zc.overlap_comm,
                                self._averaging(groups[0].dtype), self.global_rank, self.world_size,
                                zc.ignore_unused_parameters)
@@ -128,42 +131,60 @@ class ZeroEngine(torch.nn.Module):
         store = NVMeStateStore(oc.nvme_path, oc.buffer_count, aio=self._config.aio, pin_memory=oc.pin_memory)
         self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init)
 
-    def _attach_nvme_params(self) -> None:
+    def _open_nvme_pieces(self, has_optimizer: bool):
         """offload_param.device = "nvme" (stage 3): the 16-bit pieces go to swap files under its nvme_path —
-        one file per optimizer sub-group's piece buffer, one per other piece (frozen parameters, or every
-        piece of a forward-only engine) — and are read through buffer_count host buffers when used."""
+        one file per optimizer sub-group's piece buffer, written as the sub-group is made, and one per other
+        piece (frozen parameters, every piece of a forward-only engine) — and are read through buffer_count
+        host buffers when used. Pieces zero.Init(remote_device="nvme") already wrote stay in its files."""
         from .aio import check_nvme_path
         from .config import ConfigError
         from .nvme_params import NVMePieces
         from .nvme_states import NVMeStateStore
         from .zero.param import zero_param_of
 
-        zc = self._config.zero_optimization
-        pc = zc.offload_param
-        opt = self.optimizer
-        if opt is not None and (not self.offload.optimizer or self.offload.ratio < 1.0):
+        pc = self._config.zero_optimization.offload_param
+        if has_optimizer and (not self.offload.optimizer or self.offload.ratio < 1.0):
             raise ConfigError('zero_optimization.offload_param.device = "nvme" needs the optimizer offloaded whole: '
                               'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
-        groups = opt.flat_groups if opt is not None else []
-        in_groups = {id(zp) for g in groups for zp in g.zparams}
-        others = [zp for zp in {id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values()
-                  if id(zp) not in in_groups]
-        sizes = [g.flat.numel() for g in groups] + [zp.shard_numel for zp in others]
-        if sizes and max(sizes) > pc.buffer_size:
-            raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
-                              f"than the largest group of pieces ({max(sizes)} elements): raise buffer_size, or "
-                              "lower zero_optimization.sub_group_size")
+        zps = list({id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values())
         elem = next(iter(self.module.parameters())).element_size()
-        check_nvme_path(pc.nvme_path, sum(n * elem + 4096 for n in sizes))
+        check_nvme_path(pc.nvme_path, sum(zp.shard_numel * elem + 4096 for zp in zps))
         store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=self._config.aio, pin_memory=pc.pin_memory)
-        pieces = NVMePieces(store, pc.max_in_cpu)
-        for k, g in enumerate(groups):
-            pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
-        for zp in others:
-            pieces.add_piece(("piece", zp.ds_id), zp)
-        self.nvme_pieces = pieces
-        if opt is not None:
-            opt.nvme_pieces = pieces
+        return NVMePieces(store, pc.max_in_cpu)
+
+    def _register_piece_group(self, k: int, g) -> None:
+        """build_shard_groups' callback: sub-group k's piece buffer to its swap file, its host memory freed."""
+        from .config import ConfigError
+
+        pc = self._config.zero_optimization.offload_param
+        if g.flat.numel() > pc.buffer_size:
+            raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
+                              f"than sub-group {k}'s pieces ({g.flat.numel()} elements): raise buffer_size, or "
+                              "lower zero_optimization.sub_group_size")
+        self.nvme_pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
+
+    def _piece_stores(self):
+        """The NVMe stores holding this model's pieces: the engine's, and zero.Init's for pieces it kept."""
+        if self.nvme_pieces is None:
+            return []
+        from .zero.param import zero_param_of
+
+        stores = {id(self.nvme_pieces): self.nvme_pieces}
+        for zp in map(zero_param_of, self.module.parameters()):
+            if zp is not None and zp.piece_io is not None:
+                stores.setdefault(id(zp.piece_io), zp.piece_io)
+        return list(stores.values())
+
+    def _attach_other_pieces(self) -> None:
+        """The pieces no sub-group holds (frozen; all of a forward-only engine), unless zero.Init put them
+        on NVMe already; then the optimizer learns where its pieces are."""
+        from .zero.param import zero_param_of
+
+        for zp in {id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values():
+            if zp.piece_io is None and id(zp) not in self.nvme_pieces._key_of:
+                self.nvme_pieces.add_piece(("piece", zp.ds_id), zp)
+        if self.optimizer is not None:
+            self.optimizer.nvme_pieces = self.nvme_pieces
 
     def empty_partition_cache(self) -> None:
         """Stage 3: releases every gathered parameter, persistent ones too (the next forward gathers
@@ -396,11 +417,11 @@ class ZeroEngine(torch.nn.Module):
             account.bytes["fp32_master"]["nvme"] += masters
             account.bytes["optimizer_state"]["nvme"] += states
             account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
-        if self.nvme_pieces is not None:
-            account.bytes["params"]["nvme"] += self.nvme_pieces.nvme_bytes()
-            for t in self.nvme_pieces.cached_tensors():  # (max_in_cpu's host copies)
+        for pieces in self._piece_stores():
+            account.bytes["params"]["nvme"] += pieces.nvme_bytes()
+            for t in pieces.cached_tensors():  # (max_in_cpu's host copies)
                 account.add("params", t, tier="host")
-            account.bytes["comm_buffers"]["host"] += self.nvme_pieces.store.host_bytes()
+            account.bytes["comm_buffers"]["host"] += pieces.store.host_bytes()
         return account.table()
 
     def _state_in_memory(self, modified: bool):
@@ -516,7 +537,10 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.destroy_offload()
             self.optimizer.release()
         if self.nvme_pieces is not None:  # the model keeps its weights: pieces back in host memory first
-            self.nvme_pieces.bring_home()
+            from .zero.param import zero_param_of
+
+            for pieces in self._piece_stores():  # (zero.Init's own store holds the pieces it wrote and kept)
+                pieces.bring_home()
             self.nvme_pieces = None
         if self.zero_model is not None:
             self.zero_model.destroy()

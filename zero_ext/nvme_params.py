@@ -57,6 +57,18 @@ class NVMePieces:
         zp.piece_io = self
         self._owners.append(zp)
 
+    def forget(self, zp) -> None:
+        """A piece that is its own group leaves the store (its value moved elsewhere: the engine's
+        sub-group buffer at initialize); its swap file is removed."""
+        key = self._key_of.pop(id(zp))
+        self.store.unregister(key)
+        del self._views[key]
+        dropped = self._cache.pop(key, None)
+        if dropped is not None:
+            self._cached -= dropped.numel()
+        self._owners = [o for o in self._owners if o is not zp]
+        zp.piece_io = None
+
     def _point(self, key, flat) -> None:
         """The pieces of a buffer group follow its storage: views of it while resident, empty otherwise."""
         for zp, off, size in self._views[key]:

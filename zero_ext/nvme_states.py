@@ -307,6 +307,19 @@ class NVMeStateStore:
         buf.group, group.buffer = group, buf
         return False
 
+    def unregister(self, key: Hashable) -> None:
+        """Forgets group ``key`` and removes its swap file (its tensors are left as they are: released).
+        The group must not be in use (resident or streaming)."""
+        group = self._group(key)
+        self._settle([group], raise_errors=False)
+        if group.state not in (SwapState.ON_NVME, SwapState.INVALID):
+            raise RuntimeError(f"group {key!r} is in use ({group.state.value}); it cannot be unregistered")
+        self._drop_buffer(group)
+        for t in group.tensors:
+            self._by_tensor.pop(id(t), None)
+        del self._groups[key]
+        self.swapper.remove(group.name)
+
     def _drop_buffer(self, group: _Group) -> None:
         if group.buffer is not None:
             group.buffer.group = None

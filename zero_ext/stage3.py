@@ -217,10 +217,11 @@ def _full_grad(zp) -> torch.Tensor:
 
 
 def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int,
-                       plan=None):
+                       plan=None, on_group=None):
     """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
     (groups per base group — lists of ShardGroup —, all ShardGroups in order). ``plan`` (an
-    OffloadPlan) says which sub-groups keep their master and gradients in host memory."""
+    OffloadPlan) says which sub-groups keep their master and gradients in host memory; ``on_group(k, g)``
+    runs as each sub-group is made."""
     per_group, flat = [], []
     for group in base.param_groups:
         zps = [getattr(p, "_zero_owner", None) for p in group["params"] if p.requires_grad]
@@ -236,7 +237,11 @@ def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: 
         ids = planner.sub_groups([z.numel for z in zps], world, sub_group_size)
         members = [[z for z, s in zip(zps, ids) if s == k] for k in range(max(ids) + 1)]
         on_host = plan.host_subgroups([sum(z.numel for z in m) for m in members]) if plan else [False] * len(members)
-        subs = [ShardGroup(m, rank, world, host=plan.host if h else None) for m, h in zip(members, on_host)]
+        subs = []
+        for m, h in zip(members, on_host):
+            subs.append(ShardGroup(m, rank, world, host=plan.host if h else None))
+            if on_group is not None:  # (offload_param nvme: its pieces go to their swap file at once)
+                on_group(len(flat) + len(subs) - 1, subs[-1])
         group["params"] = [s.master for s in subs]
         per_group.append(subs)
         flat += subs

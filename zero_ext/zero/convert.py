@@ -36,7 +36,7 @@ def resolve_group(data_parallel_group=None, mpu=None):
 
 def shard_device(remote_device, compute: torch.device) -> torch.device:
     """Where pieces live: ``remote_device`` ("cpu") when given, else next to the computation. "nvme":
-    in host memory until ``initialize`` moves them to swap files (offload_param.device = "nvme")."""
+    made in host memory, then written to swap files at once (zero.Init) or at initialize."""
     if remote_device in (None, "none"):
         return compute
     device = str(getattr(remote_device, "value", remote_device))

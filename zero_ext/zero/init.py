@@ -165,12 +165,34 @@ class _ConstructionMode(TorchFunctionMode):
         return result
 
 
+class _InitSwap:
+    """remote_device "nvme": one swap store for the pieces this Init makes, opened at the first one (each
+    piece is written and its host memory released as soon as its module is built; initialize moves the
+    trainable ones into the engine's sub-group files, nvme_params.py)."""
+
+    def __init__(self, section, aio):
+        self.section, self.aio, self._pieces = section, aio, None
+
+    def pieces(self):
+        if self._pieces is None:
+            from ..aio import check_nvme_path
+            from ..nvme_params import NVMePieces
+            from ..nvme_states import NVMeStateStore
+
+            check_nvme_path(self.section.nvme_path)
+            store = NVMeStateStore(self.section.nvme_path, self.section.buffer_count, aio=self.aio,
+                                   pin_memory=self.section.pin_memory)
+            self._pieces = NVMePieces(store, self.section.max_in_cpu)
+        return self._pieces
+
+
 class _InitSession:
     """What the outermost active Init installed, and the parameters waiting to be partitioned."""
 
     def __init__(self, init: "Init"):
         self.group, self.device, self.dtype = init.group, init.device, init.dtype
         self.remote_device, self.pin_memory = init.remote_device, init.pin_memory
+        self.nvme = init.nvme  # remote_device "nvme": the pieces go to swap files as they are made
         self.depth = 0  # nested Init contexts inside this one
         self.pending: List[_Pending] = []
         self.mode = _ConstructionMode(self)
@@ -239,7 +261,10 @@ class _InitSession:
         self.pending = keep
         params = [p for p in (entry.param() for entry in ready) if p is not None]
         with torch.profiler.record_function("zero_ext::init_partition"):
-            convert.partition_params(params, self.group, self.remote_device, self.pin_memory)
+            converted = convert.partition_params(params, self.group, self.remote_device, self.pin_memory)
+        if self.nvme is not None:
+            for zp in converted:
+                self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
 
 
 # -- the public context ----------------------------------------------------------------------------
@@ -253,8 +278,9 @@ class Init(contextlib.ContextDecorator):
     - ``data_parallel_group`` (or ``mpu.get_data_parallel_group()``): the group parameters are
       partitioned over; default: all ranks.
     - ``remote_device``: ``"cpu"`` keeps the pieces in host memory (``pin_memory`` pins them when CUDA
-      is present); None keeps them on the local device. ``"nvme"``: in host memory until ``initialize``
-      (with ``offload_param.device = "nvme"``) moves them into swap files.
+      is present); None keeps them on the local device. ``"nvme"`` (needs a config with
+      ``offload_param.nvme_path``): each piece is written to a swap file as its module is built and its
+      host memory released; ``initialize`` moves the trainable ones into the engine's sub-group files.
     - ``config_dict_or_path`` (``config``: deprecated spelling): a DeepSpeed config; its
       ``zero_optimization.offload_param`` decides ``remote_device``/``pin_memory``,
       ``override_module_apply`` the Module.apply patch, and ``bf16``/``fp16`` the dtype (else float32).
@@ -291,9 +317,13 @@ class Init(contextlib.ContextDecorator):
             config_dict_or_path = config_dict_or_path if config_dict_or_path is not None else config
         self.override_module_apply = True
         self.mem_efficient_linear = mem_efficient_linear
+        self.nvme = None
         if config_dict_or_path is not None:
             remote_device, pin_memory, dtype = self._read_config(config_dict_or_path, remote_device, pin_memory,
                                                                  dtype)
+        if str(getattr(remote_device, "value", remote_device)) == "nvme" and self.nvme is None:
+            raise ValueError("zero.Init(remote_device='nvme') needs the swap directory: pass config_dict_or_path "
+                             "with zero_optimization.offload_param.nvme_path")
         if dtype is not None and dtype not in (torch.half, torch.bfloat16, torch.float32):
             raise ValueError(f"zero.Init: dtype must be torch.half, torch.bfloat16 or torch.float32, not {dtype}")
         self.dtype = dtype
@@ -314,6 +344,9 @@ class Init(contextlib.ContextDecorator):
         zc = cfg.zero_optimization
         if zc.offload_param is not None and str(zc.offload_param.device) != "none":
             remote_device, pin_memory = str(zc.offload_param.device), zc.offload_param.pin_memory
+        if str(getattr(remote_device, "value", remote_device)) == "nvme" and zc.offload_param is not None \
+                and zc.offload_param.nvme_path:
+            self.nvme = _InitSwap(zc.offload_param, cfg.aio)
         self.override_module_apply = zc.override_module_apply
         self.mem_efficient_linear = zc.memory_efficient_linear
         if dtype is None:

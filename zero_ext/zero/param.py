@@ -245,7 +245,9 @@ class ZeroParam:
                              f"({self.shard_numel},)")
         self._check_facade()
         with torch.no_grad():
-            new_shard.copy_(self.shard)
+            new_shard.copy_(self.read_piece())
+        if self.piece_io is not None:  # (a piece zero.Init put on NVMe: it now lives in new_shard)
+            self.piece_io.forget(self)
         new_shard.ds_numel = self.shard_numel
         self.shard = new_shard
         self._publish()
