@@ -372,3 +372,21 @@ def test_destroy_removes_files_and_is_idempotent(tmp_path):
     del dropped
     gc.collect()
     assert not os.path.exists(path), "dropping the store leaves its swap files"
+
+
+def test_in_memory_holds_more_groups_than_buffers_and_writes_back(store):
+    groups = {k: [torch.full((1000 + k,), float(k)), torch.full((7,), -float(k))] for k in range(5)}
+    for k, ts in groups.items():
+        store.register(k, ts)
+    with store.in_memory(range(5)):  # 5 groups, 3 buffers: ordinary memory, not the pool
+        assert all(t.numel() > 0 for ts in groups.values() for t in ts)
+        with store.resident(2) as shared:  # a held group is shared, not read again
+            shared[0].add_(1)
+        groups[4][1].data = torch.full((7,), 99.0)  # new storage of the same shape is taken too
+    assert all(t.numel() == 0 for ts in groups.values() for t in ts)  # released after the block
+    with store.in_memory([2, 4], modified=False):
+        assert torch.equal(groups[2][0], torch.full((1002,), 3.0))
+        assert torch.equal(groups[4][1], torch.full((7,), 99.0))
+        groups[2][0].zero_()  # not written back: modified=False
+    with store.resident(2) as (first, _):
+        assert torch.equal(first, torch.full((1002,), 3.0))

@@ -147,32 +147,22 @@ class NVMePieces:
     @contextlib.contextmanager
     def materialized(self, modified: bool, keys=None):
         """The pieces of groups ``keys`` (default: every piece) in ordinary host memory for the block
-        (checkpoints, state routines, offload_states), written back after it if ``modified``."""
+        (checkpoints, state routines), written back after it if ``modified``."""
         keys = [k for k in (self._views if keys is None else keys) if not self._resident.get(k)]
-        copies = {}
-        for k in keys:
-            with self.store.resident(k, modified=False) as tensors:
-                copies[k] = tensors[0].detach().clone()
-        try:
+        with self.store.in_memory(keys, modified):
             for k in keys:
-                self.store.tensors(k)[0].data = copies[k]
+                self._resident[k], self._writing[k] = 1, modified
                 if self._views[k]:
-                    self._point(k, copies[k])
-                self._resident[k] = 1
-                self._writing[k] = modified
-            yield
-        finally:
-            for k in keys:
-                self._resident[k] = 0
-                t = self.store.tensors(k)[0]
-                value = t.data
-                t.data = torch.empty(0, dtype=t.dtype)
-                if self._views[k]:
-                    self._point(k, None)
-                if modified:
-                    with self.store.resident(k, modified=True) as tensors:
-                        tensors[0].copy_(value)
-                    self._refresh(k, value)
+                    self._point(k, self.store.tensors(k)[0])
+            try:
+                yield
+            finally:
+                for k in keys:
+                    self._resident[k] = 0
+                    if modified:
+                        self._refresh(k, self.store.tensors(k)[0])
+                    if self._views[k]:
+                        self._point(k, None)
 
     def bring_home(self) -> None:
         """Every piece back in ordinary host memory for good, and the swap files removed (engine.destroy():

@@ -137,6 +137,7 @@ class NVMeStateStore:
         self._clock = 0  # for least-recently-used choice among clean buffers
         self._files_made = 0
         self._destroyed = False
+        self._held: set = set()  # groups in_memory() holds in ordinary memory
         if max_group_bytes is not None:
             self._allocate_pool(max_group_bytes)
 
@@ -453,8 +454,12 @@ class NVMeStateStore:
     def resident(self, key: Hashable, modified: bool = True) -> Iterator[List[torch.Tensor]]:
         """Group ``key`` in memory for the ``with`` block (yields its tensors); on exit it is
         written back (and waited for) unless ``modified=False`` promises it was only read. Nested
-        uses of one group (also inside ``stream``) share it; the outermost exit writes it."""
+        uses of one group (also inside ``stream``) share it; the outermost exit writes it. A group
+        ``in_memory`` holds is shared too (no I/O)."""
         group = self._group(key)
+        if key in self._held:
+            yield list(group.tensors)
+            return
         self._start_read(group)
         self._finish_read(group)
         ok = False
@@ -465,6 +470,35 @@ class NVMeStateStore:
             self._release(group, modified)
             if group.holds == 0:
                 self._settle([group], raise_errors=ok)
+
+    @contextlib.contextmanager
+    def in_memory(self, keys: Iterable[Hashable], modified: bool = True) -> Iterator[None]:
+        """Groups ``keys`` in ordinary host memory (fresh tensors, not the pool) for the ``with`` block,
+        all at once: random access to more groups than there are buffers (checkpoints, state routines).
+        Their tensors may be written, and may be given new storage of the same shape; after the block
+        the groups are written back (unless ``modified=False``) and released. Inside, ``resident`` of
+        these groups shares them; do not ``stream`` them."""
+        keys = [k for k in keys if k not in self._held]
+        try:
+            for k in keys:
+                with self.resident(k, modified=False) as tensors:
+                    copies = [t.detach().clone() for t in tensors]
+                for t, c in zip(self._group(k).tensors, copies):
+                    t.data = c
+                self._held.add(k)
+            yield
+        finally:
+            for k in keys:
+                if k not in self._held:
+                    continue
+                self._held.discard(k)
+                group = self._group(k)
+                values = [t.data for t in group.tensors]
+                self._release_tensors(group)
+                if modified:
+                    with self.resident(k, modified=True) as tensors:
+                        for t, v in zip(tensors, values):
+                            t.copy_(v.reshape(t.shape))
 
     def stream(self, keys: Iterable[Hashable], pipeline_read: bool = False,
                pipeline_write: bool = False) -> Iterator[Hashable]:

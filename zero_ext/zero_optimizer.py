@@ -256,32 +256,23 @@ class ZeroOptimizer:
             yield
             return
         keys = [k for k in (range(len(self.flat_groups)) if keys is None else keys) if k not in self._materialized]
-        base = self.optimizer
-        try:
-            for k in keys:
-                with self.nvme.resident(k, modified=False) as tensors:
-                    copies = [t.detach().clone() for t in tensors]
-                for t, c in zip(self.nvme.tensors(k), copies):
-                    t.data = c
-                self._materialized.add(k)
-            yield
-        finally:
-            for k in keys:
-                if k not in self._materialized:
-                    continue
-                self._materialized.discard(k)
-                g, registered = self.flat_groups[k], self.nvme.tensors(k)
-                state = base.state[g.master]
-                # load_state_dict replaces state tensors: their values go back into the registered ones
-                values = [g.master.data] + [state[key].data for key in base.state_keys]
-                for key, t in zip(base.state_keys, registered[1:]):
-                    state[key] = t
-                for t in registered:
-                    t.data = torch.empty(0, dtype=t.dtype)
-                if modified:
-                    with self.nvme.resident(k, modified=True) as tensors:
-                        for t, v in zip(tensors, values):
-                            t.copy_(v.reshape(t.shape))
+        with self.nvme.in_memory(keys, modified):
+            self._materialized.update(keys)
+            try:
+                yield
+            finally:
+                self._materialized.difference_update(keys)
+                for k in keys:
+                    self._relink_state(k)
+
+    def _relink_state(self, k: int) -> None:
+        """load_state_dict replaces state tensors: their values go into the registered (swapped) ones,
+        which take their places in the state dict again."""
+        state = self.optimizer.state[self.flat_groups[k].master]
+        for key, t in zip(self.optimizer.state_keys, self.nvme.tensors(k)[1:]):
+            if state[key] is not t:
+                t.data = state[key].data
+                state[key] = t
 
     def nvme_file_bytes(self, g) -> int:
         """The bytes a group's swap file needs: its fp32 master and each optimizer state tensor."""
