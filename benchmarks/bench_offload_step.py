@@ -34,7 +34,6 @@ median over the timed steps. Ratios are offload / device from the same run. Benc
 """
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -42,8 +41,9 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from _spawn import spawn_ranks  # benchmarks/_spawn.py (this script's folder is on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's zero_ext
@@ -177,24 +177,8 @@ def worker(rank: int, world: int, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(worker, args=(world, args, free_port(), queue), nprocs=world, join=False,
-                               start_method="spawn")
-    deadline = time.monotonic() + args.timeout
-    while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.kill()
-            raise TimeoutError(f"N={world}: no result within {args.timeout:.0f} s")
-    return queue.get()
+    return spawn_ranks(worker, (world, args), world, args.timeout, f"N={world}")[0]
 
 
 def print_table(world: int, r: dict, args) -> None:

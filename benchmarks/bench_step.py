@@ -13,14 +13,12 @@ accepts is measured, and PyTorch FSDP2 (fully_shard per block and at the root) b
 import argparse
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's zero_ext, and the demo's model
@@ -29,6 +27,8 @@ import zero_ext  # noqa: E402
 from demo.model import GPT, count_params, lm_loss  # noqa: E402
 from zero_ext.config import UnimplementedFeatureError, reject_unimplemented  # noqa: E402
 from zero_ext.zero import fetch as zero_fetch  # noqa: E402
+
+from _spawn import spawn_ranks  # noqa: E402 (benchmarks/_spawn.py; this script's folder is on sys.path)
 
 WORLD = 2
 MiB = 2 ** 20
@@ -180,24 +180,9 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_config(name: str, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = mp.start_processes(worker, args=(name, args, free_port(), queue), nprocs=WORLD, join=False,
-                               start_method="spawn")
-    deadline = time.monotonic() + args.timeout
-    while not procs.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in procs.processes:
-                p.kill()
-            raise TimeoutError(f"{name}: no result within {args.timeout:.0f} s")
-    results = sorted((queue.get() for _ in range(WORLD)), key=lambda r: r["rank"])
+    results = sorted(spawn_ranks(worker, (name, args), WORLD, args.timeout, name, results=WORLD),
+                     key=lambda r: r["rank"])
     return {"step": statistics.median(results[0]["times"]), "best": min(results[0]["times"]),
             "rss": [r["rss"] for r in results], "baseline": [r["baseline"] for r in results],
             "tensors": [r["tensors"] for r in results], "params": results[0]["params"],
