@@ -4,7 +4,8 @@
     python benchmarks/bench_cpu_adam.py --sizes 1e6 --rounds 3
     python benchmarks/bench_cpu_adam.py --ds-site /tmp/dsvenv/lib/python3.11/site-packages
 
-Everything is measured in the same process and interleaved: each round runs every variant once.
+Everything is measured in the same process and interleaved: each round runs every variant once (timed
+after one untimed call of it, so that no variant pays for waking the machine).
 The table gives each variant's best round (elements per second) and its ratios to the baselines:
 the median over rounds of the ratio within a round, which load from other work on the machine
 (that comes and goes between rounds) disturbs far less than the best-of column. Baselines, all
@@ -114,8 +115,9 @@ def ds_offloaded(opt, param, half, max_norm=1e30, loss_scale=1.0):
 
 
 def measure(variants, n, rounds, min_elems=3e7):
-    """{name: [elements/s of each round]}: every round runs each variant once, in order. A variant
-    runs back to back enough times to cover min_elems, so small sizes are not timed per wake-up."""
+    """{name: [elements/s of each round]}: every round runs each variant once, in order, after one
+    untimed call of it. A variant runs back to back enough times to cover min_elems, so small sizes
+    are not timed per wake-up."""
     reps = max(1, int(min_elems // max(n, 1)))
     rates = {name: [] for name in variants}
     for fn in variants.values():
@@ -123,6 +125,7 @@ def measure(variants, n, rounds, min_elems=3e7):
     for _ in range(rounds):
         for name, fn in variants.items():
             time.sleep(0.05)  # let other runtimes' spinning threads go to sleep
+            fn()  # untimed: after the pause the first pass over memory runs cold (up to 2x slower here)
             t = time.perf_counter()
             for _ in range(reps):
                 fn()
