@@ -6,8 +6,9 @@ the same block size and queue depth, one submitting thread, page-aligned buffers
 locked tensors for DeepSpeed, so it takes its no-bounce path). A write is timed with an fsync of the
 file at its end (fio: end_fsync=1). Runs are interleaved tool by tool, in an order that rotates
 each round (what runs right after a burst of writes pays for the disk's write-back), and the best of
---repeat is kept: disks and VMs are noisy, so compare pairwise within this run. Not a test; takes
-~4-5 minutes.
+--repeat is shown beside the ratios of our io_uring path to DeepSpeed and to the better fio
+engine, each the median over rounds of the ratio within a round: disks and VMs are noisy, so
+compare pairwise within this run. Not a test; takes ~5-8 minutes.
 
 Run, with DeepSpeed in a virtualenv of its own (it needs Debian's libaio-dev to build async_io):
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -181,28 +183,39 @@ def prepare(path, size):
 
 
 def measure(tools, path, size, bs, depth, repeat, log):
-    """{tool name: (best write GB/s, best read GB/s)}, runs interleaved across tools."""
-    best = {t.name: [0.0, 0.0] for t in tools}
+    """{tool name: ([write GB/s of each round], [read GB/s of each round])}, runs interleaved
+    across tools; a failed run counts as nan."""
+    rates = {t.name: ([], []) for t in tools}
     for rep in range(repeat):
         order = tools[rep % len(tools):] + tools[:rep % len(tools)]  # no tool always goes first
         for k, kind in enumerate(("write", "read")):
             for t in order:
                 try:
                     secs = getattr(t, kind)(path, size, bs, depth)
+                    rate = size / secs / 1e9
                 except Exception as exc:  # noqa: BLE001 - report, keep the other columns
                     log(f"  {t.name} {kind} failed: {exc}")
-                    best[t.name][k] = float("nan")
-                    continue
-                best[t.name][k] = max(best[t.name][k], size / secs / 1e9)
-    return best
+                    rate = float("nan")
+                rates[t.name][k].append(rate)
+    return rates
 
 
-def ratio(a, b):
-    return f"{a / b:.2f}" if b and b == b and a == a else "-"
+def best(xs):
+    xs = [x for x in xs if x == x]
+    return max(xs) if xs else float("nan")
+
+
+def paired(ours, theirs):
+    """Median over rounds of our rate over theirs in the same round: the disk's state (write-back,
+    the host's other tenants) swings 2x between minutes and disturbs a ratio taken within a round
+    far less than it disturbs a best-of figure."""
+    rs = [a / b for a, b in zip(ours, theirs) if a == a and b == b and b > 0]
+    return f"{statistics.median(rs):.2f}" if rs else "-"
 
 
 def table(title, rows, tools):
-    """rows: [(label, {tool: (w, r)})] -> markdown, with our io_uring path's ratios."""
+    """rows: [(label, {tool: (writes, reads)})] -> markdown: each tool's best round, and our io_uring
+    path's paired ratios (see paired) to DeepSpeed and to the better fio engine of each round."""
     names = [t.name for t in tools]
     ds = "DeepSpeed libaio" if "DeepSpeed libaio" in names else None
     fios = [n for n in names if n.startswith("fio ")]
@@ -212,15 +225,14 @@ def table(title, rows, tools):
     if fios:
         head += ["uring/best fio W", "uring/best fio R"]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label, best in rows:
-        cells = [label] + [f"{best[n][0]:.2f} / {best[n][1]:.2f}" for n in names]
-        ours = best.get("zero_ext uring")
+    for label, rates in rows:
+        cells = [label] + [f"{best(rates[n][0]):.2f} / {best(rates[n][1]):.2f}" for n in names]
+        ours = rates.get("zero_ext uring")
         if ds:
-            cells += [ratio(ours[0], best[ds][0]), ratio(ours[1], best[ds][1])] if ours else ["-", "-"]
+            cells += [paired(ours[k], rates[ds][k]) for k in (0, 1)] if ours else ["-", "-"]
         if fios:
-            fw = max((best[n][0] for n in fios if best[n][0] == best[n][0]), default=float("nan"))
-            fr = max((best[n][1] for n in fios if best[n][1] == best[n][1]), default=float("nan"))
-            cells += [ratio(ours[0], fw), ratio(ours[1], fr)] if ours else ["-", "-"]
+            top = [[best(col) for col in zip(*(rates[n][k] for n in fios))] for k in (0, 1)]
+            cells += [paired(ours[k], top[k]) for k in (0, 1)] if ours else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -252,7 +264,7 @@ def main():
 
     os.makedirs(args.dir, exist_ok=True)
     started = time.time()
-    out = [f"aio bandwidth, GB/s (1e9 B/s), best of {args.repeat}; files in {args.dir} "
+    out = [f"aio bandwidth, GB/s (1e9 B/s), best round; ratios: median of the rounds' ratios; files in {args.dir} "
            f"({os.uname().release}); write = write + fsync\n"] + [f"- {n}" for n in notes] + [""]
     try:
         if args.quick:

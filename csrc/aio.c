@@ -19,7 +19,9 @@
 #endif
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <sys/uio.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -77,6 +79,10 @@ struct zx_aio_worker {
 	struct zx_aio_req *reqs; /* queue_depth of them (io_uring), or 1 (threads) */
 	struct zx_aio_req **batch; /* (queue_depth,) requests taken in one round (io_uring) */
 	struct zx_aio_req *free, *finished;
+	uint64_t reg_seen;   /* the registration generation this worker's ring has */
+	int reg_rc;	     /* how registering it went: 0 or -errno */
+	struct iovec *fixed; /* the ranges registered with this ring (its own copy), or NULL */
+	int nfixed;
 };
 
 struct zx_aio {
@@ -93,6 +99,10 @@ struct zx_aio {
 	struct zx_aio_op *qhead, *qtail; /* ops with pieces not yet taken, in submission order */
 	int nworkers;
 	struct zx_aio_worker *workers;
+	struct iovec *reg; /* the ranges of zx_aio_register_buffers, for workers to take */
+	int nreg;
+	uint64_t reg_gen; /* bumped by each zx_aio_register_buffers */
+	atomic_llong fixed_requests; /* requests that went through a registered range */
 };
 
 #define ZX_AIO_MAX_RETRIES 10000 /* -EINTR/-EAGAIN answers to one request before it fails */
@@ -238,16 +248,72 @@ static void complete_tail(struct zx_aio_req *r)
 /* ---------------------------------------------------------------------------------------------------
  * The io_uring worker */
 
+/* The index of the registered range holding [buf, buf + len), or -1. */
+static int fixed_index(const struct zx_aio_worker *w, const char *buf, unsigned len)
+{
+	for (int i = 0; i < w->nfixed; i++) {
+		const char *b = w->fixed[i].iov_base;
+		if (buf >= b && (size_t)(buf - b) + len <= w->fixed[i].iov_len)
+			return i;
+	}
+	return -1;
+}
+
 /* Puts the remainder of r into the ring (not yet submitted). */
 static void ring_prep(struct zx_aio_worker *w, struct zx_aio_req *r)
 {
 	struct io_uring_sqe *sqe = io_uring_get_sqe(&w->ring); /* never NULL: ring >= depth */
 	unsigned len = (unsigned)(r->length - r->done);
-	if (r->op->write)
-		io_uring_prep_write(sqe, r->op->fd, r->buf + r->done, len, (uint64_t)(r->offset + r->done));
+	char *buf = r->buf + r->done;
+	uint64_t off = (uint64_t)(r->offset + r->done);
+	int fixed = fixed_index(w, buf, len);
+	if (fixed >= 0)
+		atomic_fetch_add_explicit(&w->aio->fixed_requests, 1, memory_order_relaxed);
+	if (fixed >= 0 && r->op->write)
+		io_uring_prep_write_fixed(sqe, r->op->fd, buf, len, off, fixed);
+	else if (fixed >= 0)
+		io_uring_prep_read_fixed(sqe, r->op->fd, buf, len, off, fixed);
+	else if (r->op->write)
+		io_uring_prep_write(sqe, r->op->fd, buf, len, off);
 	else
-		io_uring_prep_read(sqe, r->op->fd, r->buf + r->done, len, (uint64_t)(r->offset + r->done));
+		io_uring_prep_read(sqe, r->op->fd, buf, len, off);
 	io_uring_sqe_set_data(sqe, r);
+}
+
+/* Called with aio->lock held and nothing in flight: gives the ring the handle's current set of
+ * registered ranges (see zx_aio_register_buffers), with the lock released meanwhile. */
+static void ring_take_registration(struct zx_aio_worker *w)
+{
+	struct zx_aio *aio = w->aio;
+	uint64_t gen = aio->reg_gen;
+	int n = aio->nreg, rc = 0;
+	struct iovec *mine = NULL;
+	if (n > 0) {
+		mine = malloc((size_t)n * sizeof(*mine));
+		if (mine)
+			memcpy(mine, aio->reg, (size_t)n * sizeof(*mine));
+		else
+			rc = -ENOMEM;
+	}
+	pthread_mutex_unlock(&aio->lock);
+	if (w->nfixed > 0)
+		io_uring_unregister_buffers(&w->ring);
+	free(w->fixed);
+	w->fixed = NULL;
+	w->nfixed = 0;
+	if (mine && !rc) {
+		rc = io_uring_register_buffers(&w->ring, mine, (unsigned)n);
+		if (rc == 0) {
+			w->fixed = mine;
+			w->nfixed = n;
+		}
+	}
+	if (!w->fixed)
+		free(mine);
+	pthread_mutex_lock(&aio->lock);
+	w->reg_rc = rc;
+	w->reg_seen = gen;
+	pthread_cond_broadcast(&aio->done);
 }
 
 /* Submits every queued entry, retrying what the kernel answers as transient, and in the same call
@@ -360,8 +426,13 @@ static void *uring_main(void *arg)
 			w->free = r;
 		}
 		int n = 0;
+		const int switching = w->reg_seen != aio->reg_gen; /* takes no new work meanwhile */
+		if (switching && w->inflight == 0) {
+			ring_take_registration(w);
+			continue;
+		}
 		/* lock-step (overlap_events off): a new batch only once the last one is complete */
-		if (aio->p.overlap_events || w->inflight == 0) {
+		if (!switching && (aio->p.overlap_events || w->inflight == 0)) {
 			while (w->free && w->inflight + n < depth && claim(aio, w->free)) {
 				batch[n++] = w->free;
 				w->free = w->free->next;
@@ -542,7 +613,9 @@ static void free_handle_memory(struct zx_aio *aio, int join)
 #endif
 		free(w->reqs);
 		free(w->batch);
+		free(w->fixed);
 	}
+	free(aio->reg);
 	while (aio->ops) {
 		struct zx_aio_op *op = aio->ops;
 		aio->ops = op->next;
@@ -644,6 +717,71 @@ err:
 int zx_aio_backend(const struct zx_aio *aio)
 {
 	return aio->backend;
+}
+
+int64_t zx_aio_fixed_requests(struct zx_aio *aio)
+{
+	return atomic_load_explicit(&aio->fixed_requests, memory_order_relaxed);
+}
+
+/* Publishes reg (n ranges, owned by the handle from here) and waits until every worker's ring has
+ * taken it. Returns 0 or the first worker's -errno. Called with aio->lock held. */
+static int publish_registration(struct zx_aio *aio, struct iovec *reg, int n)
+{
+	free(aio->reg);
+	aio->reg = reg;
+	aio->nreg = n;
+	uint64_t gen = ++aio->reg_gen;
+	pthread_cond_broadcast(&aio->work);
+	int rc = 0;
+	for (int i = 0; i < aio->nworkers; i++) {
+		struct zx_aio_worker *w = &aio->workers[i];
+		while (w->reg_seen != gen)
+			pthread_cond_wait(&aio->done, &aio->lock);
+		if (w->reg_rc && !rc)
+			rc = w->reg_rc;
+	}
+	return rc;
+}
+
+int zx_aio_register_buffers(struct zx_aio *aio, void *const *bufs, const int64_t *lens, int n)
+{
+	if (!aio)
+		return -EINVAL;
+	if (aio->pid != getpid())
+		return -EOWNERDEAD;
+	if (aio->backend != ZX_AIO_URING)
+		return -EOPNOTSUPP;
+	const int64_t most = (int64_t)1 << 30; /* the kernel's limit on one registered range */
+	int64_t count = 0;
+	int rc = n < 0 || (n > 0 && (!bufs || !lens)) ? -EINVAL : 0;
+	for (int i = 0; i < n && !rc; i++) {
+		if (!bufs[i] || lens[i] <= 0)
+			rc = -EINVAL;
+		else if ((count += (lens[i] + most - 1) / most) > ZX_AIO_MAX_REGISTERED)
+			rc = -EINVAL;
+	}
+	struct iovec *reg = NULL;
+	if (!rc && count > 0 && !(reg = malloc((size_t)count * sizeof(*reg))))
+		rc = -ENOMEM;
+	int k = 0;
+	for (int i = 0; i < n && !rc; i++)
+		for (int64_t o = 0; o < lens[i]; o += most, k++) {
+			reg[k].iov_base = (char *)bufs[i] + o;
+			reg[k].iov_len = (size_t)min64(most, lens[i] - o);
+		}
+	pthread_mutex_lock(&aio->lock);
+	if (aio->stopping) {
+		pthread_mutex_unlock(&aio->lock);
+		free(reg);
+		return -ESHUTDOWN;
+	}
+	if (!rc)
+		rc = publish_registration(aio, reg, k);
+	if (rc && !aio->stopping)
+		publish_registration(aio, NULL, 0); /* all or nothing: no worker keeps any set */
+	pthread_mutex_unlock(&aio->lock);
+	return rc;
 }
 
 /* ---------------------------------------------------------------------------------------------------

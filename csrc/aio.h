@@ -31,6 +31,7 @@
 #define ZX_AIO_MAX_WORKERS 64	   /* threads of one handle, either backend */
 #define ZX_AIO_MAX_DEPTH 4096	   /* requests in flight per io_uring worker */
 #define ZX_AIO_MAX_BLOCK (1 << 30) /* bytes per request (io_uring lengths are 32-bit) */
+#define ZX_AIO_MAX_REGISTERED 1024 /* ranges of zx_aio_register_buffers, after the 1 GiB split */
 
 struct zx_aio; /* opaque: its workers, rings and ops */
 
@@ -94,6 +95,23 @@ int zx_aio_wait(struct zx_aio *aio, int64_t op, struct zx_aio_result *res);
 
 /* Without blocking: 1 when op has finished (wait will not block), 0 when it runs, -ENOENT. */
 int zx_aio_done(struct zx_aio *aio, int64_t op);
+
+/* Registers memory with the io_uring workers: a request that lies inside one of the n ranges
+ * (bufs[i], lens[i] bytes) then goes through io_uring's fixed-buffer read or write, for which the
+ * kernel pinned the pages once, here, instead of on every request (on this project's machine a
+ * quarter of the CPU time per byte read, half per byte written). The call replaces the handle's
+ * whole set: n = 0 unregisters everything. Ranges longer than 1 GiB (the kernel's limit) are split.
+ * Workers switch sets between requests, so ops may be in flight meanwhile; the call returns once
+ * every worker has switched. The memory must stay mapped until it is unregistered or the handle
+ * closed: the kernel holds the pages, and a range freed and mapped again would read and write the
+ * old ones. Returns 0; -EOPNOTSUPP for the thread backend; -ESHUTDOWN once zx_aio_exit has begun;
+ * -EINVAL for a NULL or empty range or too many; or the kernel's -errno (-ENOMEM past
+ * RLIMIT_MEMLOCK without CAP_IPC_LOCK, -EFAULT for memory it cannot pin). After -EINVAL or a
+ * kernel error no range stays registered, and requests run as before. */
+int zx_aio_register_buffers(struct zx_aio *aio, void *const *bufs, const int64_t *lens, int n);
+
+/* Requests (attempts, retries included) that went through a registered range so far. */
+int64_t zx_aio_fixed_requests(struct zx_aio *aio);
 
 /* Ops submitted and not yet waited. */
 int64_t zx_aio_pending(struct zx_aio *aio);

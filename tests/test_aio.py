@@ -658,3 +658,93 @@ def test_a_reaper_in_another_process_never_takes_a_live_swap_dir(tmp_path):
     finally:
         reaper.join(10)
     assert made > 50 and lost == 0
+
+
+# -- registered (fixed) buffers ---------------------------------------------------------------------
+
+uring_only = pytest.mark.skipif(bool(URING_ERRNO), reason=URING_SKIP or "-")
+
+
+@uring_only
+def test_registered_buffers_move_the_same_bytes_through_fixed_requests(tmp_path):
+    """Requests inside a registered tensor go through fixed-buffer I/O (counted), others as before;
+    a request straddling two registered tensors is not inside either; bytes are right either way."""
+    n = 1 << 20
+    with AsyncIO(block_size=64 << 10, queue_depth=4, backend="uring") as h, \
+            aio.SwapFile(str(tmp_path / "f"), create=True) as f:
+        pool = rand_bytes(2 * n, seed=1)
+        assert h.register_buffers([pool[:n], pool[n:]])  # two tensors sharing one allocation
+        h.write(pool, f)  # 32 requests of 64 KiB, each inside one half
+        assert h.fixed_requests == 32
+        plain = aligned_empty(2 * n)
+        h.read(plain, f)  # not registered
+        assert h.fixed_requests == 32 and torch.equal(plain, pool)
+        pool.zero_()
+        h.read(pool[4096:4096 + n], f, 0)  # 16 requests; the last one straddles the halves
+        assert h.fixed_requests == 32 + 15
+        assert torch.equal(pool[4096:4096 + n], plain[:n])
+        h.unregister_buffers([pool[n:]])
+        h.read(pool[n:], f, n)
+        assert h.fixed_requests == 47 and torch.equal(pool[n:], plain[n:])
+        h.unregister_buffers()
+        h.read(pool[:n], f)
+        assert h.fixed_requests == 47 and torch.equal(pool[:n], plain[:n])
+
+
+@uring_only
+def test_registering_while_requests_are_in_flight(tmp_path):
+    """Workers switch sets between requests: registering with many ops queued neither hangs nor
+    moves a wrong byte, and the registered tensors are kept alive by the handle."""
+    with AsyncIO(block_size=16 << 10, queue_depth=8, intra_op_parallelism=2, backend="uring") as h, \
+            aio.SwapFile(str(tmp_path / "f"), create=True) as f:
+        data = [rand_bytes(256 << 10, seed=s) for s in range(8)]
+        reqs = [h.submit_write(t, f, i * (256 << 10)) for i, t in enumerate(data)]
+        pool = aligned_empty(2 << 20)
+        ref = weakref.ref(pool)
+        assert h.register_buffers([pool])
+        h.wait()
+        assert all(r.done() for r in reqs)
+        del pool
+        assert ref() is not None  # the kernel holds its pages: so must we
+        reqs = [h.submit_read(ref()[i * (256 << 10):(i + 1) * (256 << 10)], f, i * (256 << 10))
+                for i in range(8)]
+        assert h.register_buffers([aligned_empty(4096)])  # adds while the reads run
+        h.wait()
+        for i, t in enumerate(data):
+            assert torch.equal(ref()[i * (256 << 10):(i + 1) * (256 << 10)], t)
+        assert h.fixed_requests == 8 * 16  # the sets before and after the switch both hold the pool
+    assert ref() is None  # closing lets it go
+
+
+def test_thread_backend_registers_nothing(tmp_path):
+    with AsyncIO(backend="threads") as h:
+        assert h.register_buffers([aligned_empty(8192)]) is False
+        assert h.fixed_requests == 0
+
+
+@uring_only
+@pytest.mark.skipif(not (os.path.exists("/usr/bin/setpriv") and os.path.exists("/usr/bin/prlimit")),
+                    reason="needs util-linux's setpriv and prlimit")
+def test_registration_refused_past_memlock_runs_unregistered_and_says_why(tmp_path):
+    """Without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK the kernel refuses a 4 MiB pool: the
+    call says so once, and the I/O still moves the right bytes."""
+    code = (
+        "import torch\n"
+        "from zero_ext.aio import AsyncIO, SwapFile, aligned_empty\n"
+        "h = AsyncIO(block_size=65536, backend='uring')\n"
+        "pool = aligned_empty(4 << 20); pool.random_(0, 256)\n"
+        "assert h.register_buffers([pool]) is False\n"
+        "with SwapFile(%r, create=True) as f:\n"
+        "    h.write(pool, f); back = aligned_empty(4 << 20); h.read(back, f)\n"
+        "assert torch.equal(back, pool) and h.fixed_requests == 0\n"
+        "assert h.register_buffers([aligned_empty(8192)])  # within the limit\n"
+        "print('ok')\n" % str(tmp_path / "f"))
+    out = subprocess.run(["/usr/bin/prlimit", "--memlock=65536", "/usr/bin/setpriv", "--bounding-set",
+                          "-ipc_lock", sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    if "setpriv" in out.stderr and out.returncode != 0 and "ok" not in out.stdout:
+        pytest.skip(f"cannot drop CAP_IPC_LOCK here: {out.stderr.strip()[-200:]}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("ok")
+    assert "refused to register 1 swap buffers of 4194304 bytes (ENOMEM)" in out.stderr
+    assert "RLIMIT_MEMLOCK" in out.stderr

@@ -259,9 +259,13 @@ class NVMeStateStore:
 
     def _allocate_pool(self, nbytes: int) -> None:
         size = max(round_up(nbytes), ALIGN)
+        if self._buffers:  # no I/O on them is in flight (see _ensure_pool)
+            self.aio.unregister_buffers([b.data for b in self._buffers])
         self._buffers = [_Buffer(aligned_empty(size, torch.uint8, pin_memory=self.pin_memory))
                          for _ in range(self.buffer_count)]
         self._buffer_bytes = size
+        # io_uring fixed buffers: the pool's pages are pinned once, not on every request
+        self.aio.register_buffers([b.data for b in self._buffers])
 
     def _ensure_pool(self, nbytes: int, key) -> None:
         if self._buffers and nbytes <= self._buffer_bytes:
@@ -557,6 +561,8 @@ class NVMeStateStore:
         for group in self._groups.values():
             self._release_tensors(group)
             group.buffer, group.state = None, SwapState.INVALID
+        if not self.aio.closed:
+            self.aio.unregister_buffers([b.data for b in self._buffers])
         self._buffers.clear()
         self._by_tensor.clear()
         self.swapper.destroy()

@@ -18,6 +18,7 @@ typedef struct {
 	PyObject_HEAD
 	struct zx_aio *aio; /* NULL once closed */
 	PyObject *owners;   /* dict: op id -> object kept alive until the op is waited for */
+	PyObject *registered; /* what owns the memory of register_buffers' ranges, or NULL */
 	int busy;	    /* calls running without the GIL; close() refuses while > 0 */
 } zx_aio_object;
 
@@ -43,6 +44,7 @@ static void aio_shutdown(zx_aio_object *self)
 	}
 	if (self->owners)
 		PyDict_Clear(self->owners);
+	Py_CLEAR(self->registered); /* the rings, and so the kernel's hold on the pages, are gone */
 }
 
 static PyObject *aio_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
@@ -95,6 +97,7 @@ static void aio_dealloc(PyObject *op)
 	PyTypeObject *tp = Py_TYPE(op);
 	aio_shutdown(self);
 	Py_CLEAR(self->owners);
+	Py_CLEAR(self->registered);
 	freefunc tp_free = PyType_GetSlot(tp, Py_tp_free);
 	tp_free(op);
 	Py_DECREF(tp);
@@ -214,6 +217,68 @@ static PyObject *aio_done(PyObject *op, PyObject *arg)
 	return PyBool_FromLong(rc);
 }
 
+PyDoc_STRVAR(aio_register_buffers_doc,
+	     "register_buffers(ranges, owner)\n\n"
+	     "Registers memory with the io_uring workers (fixed-buffer I/O: pages pinned once, not per\n"
+	     "request): ranges is a sequence of (ptr, nbytes) and replaces the set registered before;\n"
+	     "an empty one unregisters. owner (the tensors) is kept alive until the next call or close.\n"
+	     "Raises OSError: EOPNOTSUPP for the thread backend, or the kernel's errno (ENOMEM past\n"
+	     "RLIMIT_MEMLOCK), after which nothing is registered.");
+
+static PyObject *aio_register_buffers(PyObject *op, PyObject *args)
+{
+	zx_aio_object *self = (zx_aio_object *)op;
+	PyObject *ranges, *owner;
+	if (!PyArg_ParseTuple(args, "OO:register_buffers", &ranges, &owner))
+		return NULL;
+	struct zx_aio *aio = aio_live(self);
+	if (!aio)
+		return NULL;
+	PyObject *seq = PySequence_Fast(ranges, "register_buffers: ranges must be a sequence");
+	if (!seq)
+		return NULL;
+	Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+	if (n > ZX_AIO_MAX_REGISTERED) {
+		Py_DECREF(seq);
+		return PyErr_Format(PyExc_ValueError, "register_buffers: at most %d ranges",
+				    ZX_AIO_MAX_REGISTERED);
+	}
+	void **bufs = PyMem_Calloc((size_t)n + 1, sizeof(*bufs));
+	int64_t *lens = PyMem_Calloc((size_t)n + 1, sizeof(*lens));
+	int rc = 0;
+	if (!bufs || !lens) {
+		PyErr_NoMemory();
+		goto out;
+	}
+	for (Py_ssize_t i = 0; i < n; i++) {
+		unsigned long long ptr;
+		long long len;
+		if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "KL:register_buffers range", &ptr,
+				      &len))
+			goto out;
+		bufs[i] = (void *)(uintptr_t)ptr;
+		lens[i] = len;
+	}
+	self->busy++;
+	Py_BEGIN_ALLOW_THREADS
+	rc = zx_aio_register_buffers(aio, bufs, lens, (int)n);
+	Py_END_ALLOW_THREADS
+	self->busy--;
+	/* on failure nothing stays registered, so nothing needs keeping either */
+	PyObject *keep = rc == 0 && n > 0 ? owner : NULL;
+	Py_XINCREF(keep);
+	Py_XSETREF(self->registered, keep);
+	if (rc)
+		zx_raise(rc, "AioHandle.register_buffers");
+out:
+	PyMem_Free(bufs);
+	PyMem_Free(lens);
+	Py_DECREF(seq);
+	if (PyErr_Occurred())
+		return NULL;
+	Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(aio_pending_doc, "pending() -> ops submitted and not yet waited for");
 
 static PyObject *aio_pending(PyObject *op, PyObject *unused)
@@ -247,6 +312,14 @@ static PyObject *aio_get_backend(PyObject *op, void *closure)
 	return PyUnicode_FromString(zx_aio_backend_names[zx_aio_backend(self->aio)]);
 }
 
+static PyObject *aio_get_fixed_requests(PyObject *op, void *closure)
+{
+	zx_aio_object *self = (zx_aio_object *)op;
+	if (!self->aio)
+		return PyLong_FromLong(0);
+	return PyLong_FromLongLong(zx_aio_fixed_requests(self->aio));
+}
+
 static PyObject *aio_get_closed(PyObject *op, void *closure)
 {
 	return PyBool_FromLong(((zx_aio_object *)op)->aio == NULL);
@@ -258,6 +331,7 @@ static PyMethodDef aio_methods[] = {
 	{ "wait", aio_wait, METH_O, aio_wait_doc },
 	{ "done", aio_done, METH_O, aio_done_doc },
 	{ "pending", aio_pending, METH_NOARGS, aio_pending_doc },
+	{ "register_buffers", aio_register_buffers, METH_VARARGS, aio_register_buffers_doc },
 	{ "close", aio_close, METH_NOARGS, aio_close_doc },
 	{ NULL, NULL, 0, NULL },
 };
@@ -265,6 +339,8 @@ static PyMethodDef aio_methods[] = {
 static PyGetSetDef aio_getset[] = {
 	{ "backend", aio_get_backend, NULL, "'uring' or 'threads' (None once closed)", NULL },
 	{ "closed", aio_get_closed, NULL, "whether close() has run", NULL },
+	{ "fixed_requests", aio_get_fixed_requests, NULL,
+	  "requests that went through a registered buffer so far (0 once closed)", NULL },
 	{ NULL, NULL, NULL, NULL, NULL },
 };
 
