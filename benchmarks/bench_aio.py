@@ -1,14 +1,16 @@
-"""Swap I/O bandwidth: zero_ext's AsyncIO (io_uring, and its pread/pwrite thread pool) against
-DeepSpeed's libaio path (its async_io op) and fio (io_uring and libaio engines), in one run.
+"""Swap I/O bandwidth: zero_ext's AsyncIO (io_uring with the tensor registered as a fixed buffer,
+as the engine's swap pools are; io_uring without; its pread/pwrite thread pool) against DeepSpeed's
+libaio path (its async_io op) and fio (io_uring and libaio engines), in one run, with each tool's
+CPU time per GB (on a 2-core machine the swapper's CPU is taken from the optimizer step it overlaps).
 
 Every tool moves the same bytes of the same pre-written file on the same file system: O_DIRECT,
 the same block size and queue depth, one submitting thread, page-aligned buffers (DeepSpeed's own
 locked tensors for DeepSpeed, so it takes its no-bounce path). A write is timed with an fsync of the
 file at its end (fio: end_fsync=1). Runs are interleaved tool by tool, in an order that rotates
 each round (what runs right after a burst of writes pays for the disk's write-back), and the best of
---repeat is shown beside the ratios of our io_uring path to DeepSpeed and to the better fio
+--repeat is shown beside the ratios of our fixed-buffer path to DeepSpeed and to the better fio
 engine, each the median over rounds of the ratio within a round: disks and VMs are noisy, so
-compare pairwise within this run. Not a test; takes ~5-8 minutes.
+compare pairwise within this run. Not a test; takes ~6-10 minutes.
 
 Run, with DeepSpeed in a virtualenv of its own (it needs Debian's libaio-dev to build async_io):
 
@@ -42,9 +44,12 @@ def human(n):
 
 
 class Ours:
-    def __init__(self, backend):
-        self.name = "zero_ext " + backend
-        self.backend = backend
+    """registered: the tensor is registered with io_uring (fixed buffers), as the engine's swap
+    buffer pools are; registering (pinning) happens once, outside the timed calls."""
+
+    def __init__(self, backend, registered=False):
+        self.name = "zero_ext " + backend + (" fixed" if registered else "")
+        self.backend, self.registered = backend, registered
         self.handles, self.buffers, self.files = {}, {}, {}
 
     def _setup(self, path, size, bs, depth):
@@ -54,22 +59,28 @@ class Ours:
             self.buffers[size] = aligned_empty(size).random_(0, 256)
         if path not in self.files:
             self.files[path] = SwapFile(path)
-        return self.handles[(bs, depth)], self.buffers[size], self.files[path]
+        h, buf = self.handles[(bs, depth)], self.buffers[size]
+        if self.registered and h.register_buffers([buf]) is False:
+            raise RuntimeError("io_uring refused to register the buffer (see the log)")
+        return h, buf, self.files[path]
 
     def write(self, path, size, bs, depth):
         aio, buf, f = self._setup(path, size, bs, depth)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         aio.write(buf, f)
         os.fsync(f.fd)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def read(self, path, size, bs, depth):
         aio, buf, f = self._setup(path, size, bs, depth)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         aio.read(buf, f)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def release(self, size=None):
+        for h in self.handles.values():
+            if not h.closed:
+                h.unregister_buffers(None if size is None or size not in self.buffers else [self.buffers[size]])
         if size is None:
             for h in self.handles.values():
                 h.close()
@@ -102,18 +113,18 @@ class DeepSpeedAio:
 
     def write(self, path, size, bs, depth):
         h, buf = self._setup(size, bs, depth)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         h.sync_pwrite(buf, path)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def read(self, path, size, bs, depth):
         h, buf = self._setup(size, bs, depth)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         h.sync_pread(buf, path)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     def release(self, size=None):
         for (key, n), buf in list(self.buffers.items()):
@@ -139,7 +150,8 @@ class Fio:
         job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
         if job["error"]:
             raise RuntimeError(f"fio {self.engine}: error {job['error']}")
-        return size / job[rw]["bw_bytes"]
+        secs = size / job[rw]["bw_bytes"]
+        return secs, (job["usr_cpu"] + job["sys_cpu"]) / 100 * job[rw]["runtime"] / 1e3
 
     def write(self, path, size, bs, depth):
         return self._run("write", path, size, bs, depth)
@@ -185,18 +197,19 @@ def prepare(path, size):
 def measure(tools, path, size, bs, depth, repeat, log):
     """{tool name: ([write GB/s of each round], [read GB/s of each round])}, runs interleaved
     across tools; a failed run counts as nan."""
-    rates = {t.name: ([], []) for t in tools}
+    rates = {t.name: ([], [], [], []) for t in tools}  # writes, reads, their CPU s per GB
     for rep in range(repeat):
         order = tools[rep % len(tools):] + tools[:rep % len(tools)]  # no tool always goes first
         for k, kind in enumerate(("write", "read")):
             for t in order:
                 try:
-                    secs = getattr(t, kind)(path, size, bs, depth)
-                    rate = size / secs / 1e9
+                    secs, cpu = getattr(t, kind)(path, size, bs, depth)
+                    rate, cpu = size / secs / 1e9, cpu / (size / 1e9)
                 except Exception as exc:  # noqa: BLE001 - report, keep the other columns
                     log(f"  {t.name} {kind} failed: {exc}")
-                    rate = float("nan")
+                    rate = cpu = float("nan")
                 rates[t.name][k].append(rate)
+                rates[t.name][k + 2].append(cpu)
     return rates
 
 
@@ -221,19 +234,27 @@ def table(title, rows, tools):
     fios = [n for n in names if n.startswith("fio ")]
     head = ["case"] + [f"{n} W / R" for n in names]
     if ds:
-        head += ["uring/DS W", "uring/DS R"]
+        head += ["fixed/DS W", "fixed/DS R"]
     if fios:
-        head += ["uring/best fio W", "uring/best fio R"]
+        head += ["fixed/best fio W", "fixed/best fio R"]
     lines = [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cpu = {}
     for label, rates in rows:
+        for n in names:
+            for k in (0, 1):
+                cpu.setdefault((n, k), []).extend(x for x in rates[n][k + 2] if x == x)
         cells = [label] + [f"{best(rates[n][0]):.2f} / {best(rates[n][1]):.2f}" for n in names]
-        ours = rates.get("zero_ext uring")
+        ours = rates.get("zero_ext uring fixed")
         if ds:
             cells += [paired(ours[k], rates[ds][k]) for k in (0, 1)] if ours else ["-", "-"]
         if fios:
             top = [[best(col) for col in zip(*(rates[n][k] for n in fios))] for k in (0, 1)]
             cells += [paired(ours[k], top[k]) for k in (0, 1)] if ours else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "CPU seconds per GB moved (median over the rows' rounds; the submitting process's user + "
+              "system time, fio's own figure for fio), write / read: " + ", ".join(
+                  f"{n} {statistics.median(cpu[(n, 0)] or [float('nan')]):.3f} / "
+                  f"{statistics.median(cpu[(n, 1)] or [float('nan')]):.3f}" for n in names)]
     return "\n".join(lines) + "\n"
 
 
@@ -245,7 +266,7 @@ def main():
     args = ap.parse_args()
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
-    tools = [Ours("uring"), Ours("threads")]
+    tools = [Ours("uring", registered=True), Ours("uring"), Ours("threads")]
     notes = []
     ds, why = load_deepspeed()
     if ds is not None:
@@ -259,7 +280,7 @@ def main():
     try:
         AsyncIO(backend="uring").close()
     except OSError as exc:
-        tools = [t for t in tools if t.name != "zero_ext uring"]
+        tools = [t for t in tools if getattr(t, "backend", None) != "uring"]
         notes.append(f"zero_ext io_uring column left out: {exc}")
 
     os.makedirs(args.dir, exist_ok=True)
