@@ -736,7 +736,7 @@ static int publish_registration(struct zx_aio *aio, struct iovec *reg, int n)
 	int rc = 0;
 	for (int i = 0; i < aio->nworkers; i++) {
 		struct zx_aio_worker *w = &aio->workers[i];
-		while (w->reg_seen != gen)
+		while (w->reg_seen < gen) /* not !=: a later call's set may overtake this one */
 			pthread_cond_wait(&aio->done, &aio->lock);
 		if (w->reg_rc && !rc)
 			rc = w->reg_rc;

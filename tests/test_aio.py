@@ -716,6 +716,30 @@ def test_registering_while_requests_are_in_flight(tmp_path):
     assert ref() is None  # closing lets it go
 
 
+@uring_only
+def test_registering_from_two_threads_at_once_never_hangs():
+    """A later call's set may overtake an earlier one's before a worker takes it: neither call may
+    wait for a set that no worker will ever report."""
+    with AsyncIO(queue_depth=4, intra_op_parallelism=3, backend="uring") as h:
+        bufs = [aligned_empty(8192) for _ in range(2)]
+        errors = []
+
+        def churn(buf):
+            try:
+                for _ in range(200):
+                    h._handle.register_buffers([(buf.data_ptr(), 8192)], buf)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=churn, args=(b,), daemon=True) for b in bufs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "register_buffers hung"
+        assert not errors
+
+
 def test_thread_backend_registers_nothing(tmp_path):
     with AsyncIO(backend="threads") as h:
         assert h.register_buffers([aligned_empty(8192)]) is False
