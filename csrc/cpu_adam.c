@@ -176,10 +176,13 @@ ZX_TARGET_AVX2 ZX_INLINE void adam8_math(const struct adam_v8 *k, __m256 *P, __m
 	*V = v;
 }
 
-/* Prefetches the lines of every array ADAM_PREFETCH_BYTES past offset i, bytes of each. */
+/* Prefetches the lines of every array ADAM_PREFETCH_BYTES past offset i, bytes of each, where
+ * they are still inside the tensor. */
 ZX_INLINE void adam_prefetch(const zx_optim_tensor *t, int64_t i, int bytes)
 {
 	const int64_t ahead = ADAM_PREFETCH_BYTES / 4;
+	if (i + ahead + bytes / 4 > t->numel)
+		return;
 	for (int o = 0; o < bytes / 4; o += 16) {
 		_mm_prefetch((const char *)(t->grad + i + ahead + o), _MM_HINT_T0);
 		_mm_prefetch((const char *)(t->exp_avg + i + ahead + o), _MM_HINT_T0);
