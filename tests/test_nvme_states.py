@@ -103,6 +103,27 @@ def test_sizes_and_pool_is_allocated_once(store):
             lo, hi = min(pool), max(pool) + store._buffer_bytes
             assert all(lo <= t.data_ptr() < hi for t in groups[k] if t.numel()), "not in the pool"
     assert [b.data.data_ptr() for b in store._buffers] == pool
+    # with io_uring the pool is registered: its reads and writes are fixed-buffer requests
+    assert (store.aio.fixed_requests > 0) == (store.aio.backend == "uring")
+
+
+def test_pool_registration_follows_resizing_and_destroy(tmp_path, backend):
+    """A pool that grows is unregistered before it is freed and the new one registered; destroy
+    unregisters it from an AsyncIO the store was given (and does not own)."""
+    from zero_ext.aio import AsyncIO
+
+    with AsyncIO(**AIO) as aio:
+        s = NVMeStateStore(tmp_path, buffer_count=2, aio=aio)
+        s.register("small", [torch.randn(100)])
+        first = {b.data.data_ptr() for b in s._buffers}
+        assert set(aio._registered) == (first if backend == "uring" else set())
+        s.register("big", [torch.randn(200_000)])  # the pool grows
+        second = {b.data.data_ptr() for b in s._buffers}
+        assert set(aio._registered) == (second if backend == "uring" else set())
+        with s.resident("big") as (t,):
+            t.add_(1)
+        s.destroy()
+        assert aio._registered == {} and not aio.closed
 
 
 # ---------------------------------------------------------------------------------------------------
