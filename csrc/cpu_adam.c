@@ -38,9 +38,8 @@
 
 #include "cpu_optim.h"
 
-/* Vectors of each array per block, and how far ahead of a block its lines are prefetched. */
+/* Vectors of each array per block. */
 #define ADAM_BLOCK 8
-#define ADAM_PREFETCH_BYTES 2048
 
 /* Hyperparameters, rounded to fp32 from the double values torch computes in Python. */
 struct adam_ctx {
@@ -176,19 +175,13 @@ ZX_TARGET_AVX2 ZX_INLINE void adam8_math(const struct adam_v8 *k, __m256 *P, __m
 	*V = v;
 }
 
-/* Prefetches the lines of every array ADAM_PREFETCH_BYTES past offset i, bytes of each, where
- * they are still inside the tensor. */
-ZX_INLINE void adam_prefetch(const zx_optim_tensor *t, int64_t i, int bytes)
+/* Prefetches the next lines of every array (see zx_prefetch_ahead), n floats of each. */
+ZX_INLINE void adam_prefetch(const zx_optim_tensor *t, int64_t i, int n)
 {
-	const int64_t ahead = ADAM_PREFETCH_BYTES / 4;
-	if (i + ahead + bytes / 4 > t->numel)
-		return;
-	for (int o = 0; o < bytes / 4; o += 16) {
-		_mm_prefetch((const char *)(t->grad + i + ahead + o), _MM_HINT_T0);
-		_mm_prefetch((const char *)(t->exp_avg + i + ahead + o), _MM_HINT_T0);
-		_mm_prefetch((const char *)(t->exp_avg_sq + i + ahead + o), _MM_HINT_T0);
-		_mm_prefetch((const char *)(t->param + i + ahead + o), _MM_HINT_T0);
-	}
+	zx_prefetch_ahead(t->grad, i, t->numel, n);
+	zx_prefetch_ahead(t->exp_avg, i, t->numel, n);
+	zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, n);
+	zx_prefetch_ahead(t->param, i, t->numel, n);
 }
 
 /* A block of ADAM_BLOCK vectors of 8 at offset i: loads, arithmetic, stores. */
@@ -198,7 +191,7 @@ ZX_TARGET_AVX2 ZX_INLINE void adam8_block(const struct adam_v8 *k, const zx_opti
 	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
 	const float *gp = t->grad + i;
 	__m256 P[ADAM_BLOCK], G[ADAM_BLOCK], M[ADAM_BLOCK], V[ADAM_BLOCK];
-	adam_prefetch(t, i, ADAM_BLOCK * 32);
+	adam_prefetch(t, i, ADAM_BLOCK * 8);
 	for (int u = 0; u < ADAM_BLOCK; u++)
 		G[u] = _mm256_loadu_ps(gp + 8 * u);
 	for (int u = 0; u < ADAM_BLOCK; u++)
@@ -336,7 +329,7 @@ ZX_TARGET_AVX512 ZX_INLINE void adam16_block(const struct adam_v16 *k, const zx_
 	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
 	const float *gp = t->grad + i;
 	__m512 P[ADAM_BLOCK], G[ADAM_BLOCK], M[ADAM_BLOCK], V[ADAM_BLOCK];
-	adam_prefetch(t, i, ADAM_BLOCK * 64);
+	adam_prefetch(t, i, ADAM_BLOCK * 16);
 	for (int u = 0; u < ADAM_BLOCK; u++)
 		G[u] = _mm512_loadu_ps(gp + 16 * u);
 	for (int u = 0; u < ADAM_BLOCK; u++)

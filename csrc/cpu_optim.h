@@ -218,6 +218,20 @@ ZX_TARGET_AVX512 static inline void zx_store16x16(uint16_t *out16, __m256i v, __
 	else
 		_mm256_mask_storeu_epi16(out16, mask, v);
 }
+/* Prefetches n floats of array a from ZX_PREFETCH_BYTES past index i, where they are still inside
+ * its numel elements. Loops over arrays larger than the caches call it once per block and array:
+ * a core is bound by the cache misses it keeps in flight, and the hardware prefetcher alone keeps
+ * too few (see cpu_adam.c). */
+#define ZX_PREFETCH_BYTES 2048
+static inline __attribute__((always_inline)) void zx_prefetch_ahead(const float *a, int64_t i,
+								    int64_t numel, int n)
+{
+	const int64_t at = i + ZX_PREFETCH_BYTES / 4;
+	if (at + n > numel)
+		return;
+	for (int o = 0; o < n; o += 16)
+		_mm_prefetch((const char *)(a + at + o), _MM_HINT_T0);
+}
 #endif /* ZX_HAVE_X86 */
 
 #endif /* ZX_CPU_OPTIM_H */

@@ -81,6 +81,9 @@ ZX_TARGET_AVX2 ZX_INLINE void adagrad_loop_avx2(const struct adagrad_ctx *c,
 	const int stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 16);
 	int64_t i = b;
 	for (; i + 32 <= e; i += 32) {
+		zx_prefetch_ahead(t->param, i, t->numel, 32);
+		zx_prefetch_ahead(t->grad, i, t->numel, 32);
+		zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, 32);
 		adagrad8(c, t, i, odt, stream, 0, all, 8);
 		adagrad8(c, t, i + 8, odt, stream, 0, all, 8);
 		adagrad8(c, t, i + 16, odt, stream, 0, all, 8);
@@ -133,6 +136,9 @@ ZX_TARGET_AVX512 ZX_INLINE void adagrad_loop_avx512(const struct adagrad_ctx *c,
 	const int stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 32);
 	int64_t i = b;
 	for (; i + 64 <= e; i += 64) {
+		zx_prefetch_ahead(t->param, i, t->numel, 64);
+		zx_prefetch_ahead(t->grad, i, t->numel, 64);
+		zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, 64);
 		adagrad16(c, t, i, odt, stream, 0xffff);
 		adagrad16(c, t, i + 16, odt, stream, 0xffff);
 		adagrad16(c, t, i + 32, odt, stream, 0xffff);

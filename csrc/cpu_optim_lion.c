@@ -105,6 +105,9 @@ ZX_TARGET_AVX2 ZX_INLINE void lion_loop_avx2(const struct lion_ctx *c, const zx_
 	const int stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 16);
 	int64_t i = b;
 	for (; i + 32 <= e; i += 32) {
+		zx_prefetch_ahead(t->param, i, t->numel, 32);
+		zx_prefetch_ahead(t->grad, i, t->numel, 32);
+		zx_prefetch_ahead(t->exp_avg, i, t->numel, 32);
 		lion8(c, t, i, odt, stream, 0, all, 8);
 		lion8(c, t, i + 8, odt, stream, 0, all, 8);
 		lion8(c, t, i + 16, odt, stream, 0, all, 8);
@@ -164,6 +167,9 @@ ZX_TARGET_AVX512 ZX_INLINE void lion_loop_avx512(const struct lion_ctx *c,
 	const int stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 32);
 	int64_t i = b;
 	for (; i + 64 <= e; i += 64) {
+		zx_prefetch_ahead(t->param, i, t->numel, 64);
+		zx_prefetch_ahead(t->grad, i, t->numel, 64);
+		zx_prefetch_ahead(t->exp_avg, i, t->numel, 64);
 		lion16(c, t, i, odt, stream, 0xffff);
 		lion16(c, t, i + 16, odt, stream, 0xffff);
 		lion16(c, t, i + 32, odt, stream, 0xffff);
