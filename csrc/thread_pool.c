@@ -2,9 +2,10 @@
  *
  * Owns: the worker threads, their start/finish handshake (one mutex, two condition variables and a
  * generation counter), lazy (re)creation at a new size, and the fork handler. Does not own: how work
- * is split (the caller's fn does that) or any per-run memory. Workers sleep on a condition variable
- * between runs; a run costs one broadcast and one wait, tens of microseconds, so callers run small
- * jobs inline instead (see cpu_optim.c).
+ * is split (the caller's fn does that) or any per-run memory. Between runs workers poll the
+ * generation counter for up to POOL_SPIN_NS, then sleep on a condition variable; a run costs about a
+ * microsecond when it finds them polling, tens of microseconds when it must wake them, so callers
+ * run small jobs inline instead (see cpu_optim.c).
  */
 #define _GNU_SOURCE
 #include "thread_pool.h"
