@@ -121,6 +121,9 @@ def test_nvme_offload_equals_cpu_offload_bit_for_bit(tmp_path, case):
         assert mem["fp32_master"]["nvme"] > 0 and mem["optimizer_state"]["nvme"] == 2 * mem["fp32_master"]["nvme"]
         assert mem["fp32_master"]["host"] == mem["optimizer_state"]["host"] == 0, mem
         assert mem["fp32_master"]["accelerator"] == mem["optimizer_state"]["accelerator"] == 0, mem
+        if stage in (1, 2):  # one group (the partition): one swap buffer, not buffer_count (4) copies
+            state = mem["fp32_master"]["nvme"] + mem["optimizer_state"]["nvme"]
+            assert 0 < mem["comm_buffers"]["host"] <= -(-state // 4096) * 4096, mem
         assert nvme[5] and all(mode == "0o600" for _, mode in nvme[5]), nvme[5]
         assert not nvme[6], f"swap files left after destroy(): {nvme[6]}"
 

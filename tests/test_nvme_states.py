@@ -173,18 +173,19 @@ def test_buffer_count_is_checked_with_the_config_key(tmp_path):
     with NVMeStateStore(tmp_path, buffer_count=1, aio=AIO) as one, \
             NVMeStateStore(tmp_path, buffer_count=2, aio=AIO) as two:
         for s in (one, two):
-            s.register("a", [torch.ones(5)])
-            s.register("b", [torch.ones(5)])
+            for k in "abc":
+                s.register(k, [torch.ones(5)])
         for flags in ((True, False), (False, True)):
             with pytest.raises(ValueError, match=r"offload_optimizer.buffer_count >= 2.*it is 1"):
-                one.stream(["a"], *flags)
+                one.stream(["a", "b"], *flags)
         with pytest.raises(ValueError, match=r"pipeline_read and pipeline_write need "
                                              r"offload_optimizer.buffer_count >= 3"):
-            two.stream(["a"], True, True)
+            two.stream(["a", "b", "c"], True, True)
         list(one.stream(["a", "b"]))  # one buffer is enough without pipelining
+        list(one.stream(["a"], True, True))  # and for a single group, whatever the pipelining
+        list(two.stream(["a", "b"], True, True))  # each buffer in use holds a different group
         # every buffer held by a group in use: a clear error, not a deadlock
         with pytest.raises(RuntimeError, match="raise offload_optimizer.buffer_count"):
-            two.register("c", [torch.ones(5)])
             for _ in two.stream(["a", "b"], pipeline_read=True):  # "a" in hand, "b" being read
                 with two.resident("c"):
                     pass

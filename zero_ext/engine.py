@@ -128,7 +128,11 @@ class ZeroEngine(torch.nn.Module):
         opt = self.optimizer
         need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
         check_nvme_path(oc.nvme_path, need)
-        store = NVMeStateStore(oc.nvme_path, oc.buffer_count, aio=self._config.aio, pin_memory=oc.pin_memory)
+        # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
+        # only keep copies. At stages 1/2 (one group per param group) that is one copy of the state, not
+        # buffer_count of them.
+        count = max(1, min(oc.buffer_count, len(opt.flat_groups)))
+        store = NVMeStateStore(oc.nvme_path, count, aio=self._config.aio, pin_memory=oc.pin_memory)
         self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init)
 
     def _open_nvme_pieces(self, has_optimizer: bool):

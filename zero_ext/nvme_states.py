@@ -510,17 +510,18 @@ class NVMeStateStore:
         (every group is assumed modified). ``pipeline_read``: the next group's read is submitted
         before the current group is yielded. ``pipeline_write``: the current group's write-back
         runs while the next is read and used. Without either: read, yield, write, one group at a
-        time. Needs 2 buffers with one of them, 3 with both. All I/O has finished, and any write
-        error been raised, when the loop ends; if the loop is left early (break, exception), the
-        group in hand is written back and I/O in flight is waited for when the generator closes."""
-        need = 1 + bool(pipeline_read) + bool(pipeline_write)
+        time. Needs 2 buffers with one of them, 3 with both (never more than there are groups:
+        each buffer in use holds a different group). All I/O has finished, and any write error been
+        raised, when the loop ends; if the loop is left early (break, exception), the group in hand
+        is written back and I/O in flight is waited for when the generator closes."""
+        groups = [self._group(k) for k in keys]  # unknown keys fail before any I/O
+        need = min(1 + bool(pipeline_read) + bool(pipeline_write), max(1, len(groups)))
         if self.buffer_count < need:
             what = " and ".join(n for n, on in (("pipeline_read", pipeline_read),
                                                 ("pipeline_write", pipeline_write)) if on)
             raise ValueError(f"{what} need{'s' if need == 2 else ''} {BUFFER_COUNT_KEY} >= {need} "
                              f"(one buffer for the group being stepped, one for the next group's "
                              f"read, one for the previous group's write); it is {self.buffer_count}")
-        groups = [self._group(k) for k in keys]  # unknown keys fail before any I/O
         return self._stream(groups, bool(pipeline_read), bool(pipeline_write))
 
     def _stream(self, groups: List[_Group], pipeline_read: bool, pipeline_write: bool):
