@@ -28,13 +28,22 @@ CASES = [
     (3, "bf16", 1, "mlp", {"fast_init": True}),
     (2, "fp32", 1, "gpt", {}),
     (1, "bf16", 2, "mlp", {"pipeline_read": True, "pipeline_write": True, "fast_init": True}),
+    # stages 1/2 with the partition in sub-groups (sub_group_size below it; see _config)
+    (2, "bf16", 2, "gpt", {"pipeline_read": True, "pipeline_write": True, "sliced": True}),
+    (1, "fp32", 1, "mlp", {"pipeline_write": True, "fast_init": True, "sliced": True}),
+    (2, "fp32", 1, "mlp", {"sliced": True}),
+    (1, "bf16", 2, "gpt", {"pipeline_read": True, "fast_init": True, "sliced": True}),
 ]
 
 
 def _config(stage, dtype, offload):
+    offload = dict(offload)
+    sliced = offload.pop("sliced", False)
     zero = {"stage": stage, "offload_optimizer": offload}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, sub_group_size=80)
+    elif sliced:  # a partition of several sub-groups, with a short last one
+        zero.update(sub_group_size=70)
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
 
@@ -121,9 +130,12 @@ def test_nvme_offload_equals_cpu_offload_bit_for_bit(tmp_path, case):
         assert mem["fp32_master"]["nvme"] > 0 and mem["optimizer_state"]["nvme"] == 2 * mem["fp32_master"]["nvme"]
         assert mem["fp32_master"]["host"] == mem["optimizer_state"]["host"] == 0, mem
         assert mem["fp32_master"]["accelerator"] == mem["optimizer_state"]["accelerator"] == 0, mem
-        if stage in (1, 2):  # one group (the partition): one swap buffer, not buffer_count (4) copies
-            state = mem["fp32_master"]["nvme"] + mem["optimizer_state"]["nvme"]
+        state = mem["fp32_master"]["nvme"] + mem["optimizer_state"]["nvme"]
+        if stage in (1, 2) and not options.get("sliced"):  # one group: one swap buffer, not buffer_count copies
             assert 0 < mem["comm_buffers"]["host"] <= -(-state // 4096) * 4096, mem
+        if options.get("sliced"):  # buffer_count (4) buffers, at most one per sub-group, each of one
+            slices = -(-mem["fp32_master"]["nvme"] // 4 // 70)  # sub-group (70 x 3 fp32, in one page)
+            assert slices > 1 and mem["comm_buffers"]["host"] == min(4, slices) * 4096, mem
         assert nvme[5] and all(mode == "0o600" for _, mode in nvme[5]), nvme[5]
         assert not nvme[6], f"swap files left after destroy(): {nvme[6]}"
 
@@ -166,3 +178,63 @@ def test_a_file_system_without_o_direct_gives_the_same_results(tmp_path, mounts)
     assert nvme[0] == cpu[0]
     assert all(torch.equal(nvme[1][n], cpu[1][n]) for n in nvme[1])
     assert nvme[4]["optimizer_state"]["nvme"] > 0
+
+
+def _sliced_resume_and_set(nvme_path, ckpt):
+    """Stage 2, the partition in sub-groups: 2 steps, save, load into a fresh sliced engine, 2 more
+    steps; then a safe_set of a master, read back. Against CPU offload trained 4 steps straight."""
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+    rank = torch.distributed.get_rank()
+    nvme = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True, "pipeline_write": True,
+            "sliced": True}
+
+    def engine_for(offload):
+        torch.manual_seed(0)
+        model = MODELS["gpt"]()
+        return zero_ext.initialize(model=model, config=_config(2, "bf16", offload),
+                                   model_parameters=model.parameters())[0]
+
+    def train(engine, gen, steps):
+        for _ in range(steps):
+            batches = [MODELS["gpt"].batch(2, gen, torch.bfloat16) for _ in range(torch.distributed.get_world_size())]
+            engine.backward(engine.module.loss(batches[rank]))
+            engine.step()
+
+    def read(engine):
+        trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        return ({n: safe_get_full_fp32_param(p) for n, p in trained},
+                {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in trained})
+
+    gen = torch.Generator().manual_seed(7)
+    first = engine_for(nvme)
+    train(first, gen, 2)
+    first.save_checkpoint(ckpt, tag="t")
+    first.destroy()
+    second = engine_for(nvme)
+    second.load_checkpoint(ckpt, tag="t")
+    train(second, gen, 2)
+    resumed = read(second)
+    name, p = next((n, p) for n, p in second.module.named_parameters() if p.requires_grad)
+    value = torch.full(tuple(p.ds_shape if hasattr(p, "ds_shape") else p.shape), 0.25)
+    safe_set_full_fp32_param(p, value)
+    after_set = safe_get_full_fp32_param(p)
+    second.destroy()
+
+    gen = torch.Generator().manual_seed(7)
+    cpu = engine_for({"device": "cpu"})
+    train(cpu, gen, 4)
+    straight = read(cpu)
+    cpu.destroy()
+    return resumed, straight, torch.equal(after_set, value)
+
+
+def test_sliced_stage2_resumes_from_a_checkpoint_and_takes_a_set_exactly(tmp_path):
+    (tmp_path / "nvme").mkdir()
+    for resumed, straight, set_ok in run_ranks(2, _sliced_resume_and_set, str(tmp_path / "nvme"),
+                                               str(tmp_path / "ckpt"), timeout=240):
+        for part in (0, 1):
+            for n in straight[part]:
+                assert torch.equal(resumed[part][n], straight[part][n]), n
+        assert set_ok

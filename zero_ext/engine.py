@@ -118,7 +118,7 @@ class ZeroEngine(torch.nn.Module):
 
     def _attach_nvme(self) -> None:
         """offload_optimizer.device = "nvme": masters and optimizer state go to swap files under nvme_path,
-        one file per group (stage 3: per sub-group), streamed through buffer_count host buffers."""
+        one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
         from .aio import check_nvme_path
         from .nvme_states import NVMeStateStore
 
@@ -129,11 +129,12 @@ class ZeroEngine(torch.nn.Module):
         need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
         check_nvme_path(oc.nvme_path, need)
         # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
-        # only keep copies. At stages 1/2 (one group per param group) that is one copy of the state, not
-        # buffer_count of them.
-        count = max(1, min(oc.buffer_count, len(opt.flat_groups)))
+        # only keep copies (a stage-1/2 partition within sub_group_size is one group).
+        sub_group_size = self._config.zero_optimization.sub_group_size
+        groups = sum(len(opt.nvme_slices(g, sub_group_size)) for g in opt.flat_groups)
+        count = max(1, min(oc.buffer_count, groups))
         store = NVMeStateStore(oc.nvme_path, count, aio=self._config.aio, pin_memory=oc.pin_memory)
-        self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init)
+        self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init, sub_group_size)
 
     def _open_nvme_pieces(self, has_optimizer: bool):
         """offload_param.device = "nvme" (stage 3): the 16-bit pieces go to swap files under its nvme_path —

@@ -62,6 +62,7 @@ class ZeroOptimizer:
         self.nvme_pieces = None  # offload_param nvme: the 16-bit pieces in swap files (nvme_params.py)
         self._pipeline = (False, False)
         self._materialized = set()  # NVMe groups held in ordinary memory by materialized()
+        self._slices = {}  # stages 1/2 NVMe: group index -> its partition's sub-group ranges (nvme_slices)
         # each trainable parameter knows its place, for the state routines (state.py)
         for gi, g in enumerate(self.flat_groups):
             for i, p in enumerate(g.params):
@@ -191,10 +192,41 @@ class ZeroOptimizer:
             for k in keys:
                 self._step_group(k, combined)
             return
-        for k in self.nvme.stream([k for k in keys if k not in self._materialized], *self._pipeline):
-            self._step_group(k, combined)
+        streamed, targets = [], {}
+        for k in keys:
+            if k in self._materialized:
+                continue
+            if k in self._slices:
+                targets[k] = _lp_target(self.flat_groups[k])
+                streamed += [(k, j) for j in range(len(self._slices[k]))]
+            else:
+                streamed.append(k)
+        for key in self.nvme.stream(streamed, *self._pipeline):
+            if isinstance(key, tuple):
+                self._step_slice(*key, combined, targets[key[0]])
+            else:
+                self._step_group(key, combined)
+        for k, target in targets.items():  # every slice stepped: count the step, upload the 16-bit copy
+            state = self.optimizer.state[self.flat_groups[k].master]
+            state["step"] = int(state["step"]) + 1
+            if target is not None:
+                _lp_upload(self.flat_groups[k], target)
         for k in sorted(self._materialized):  # (a step inside materialized(): those are in memory)
             self._step_group(k, combined)
+
+    def _step_slice(self, k: int, j: int, combined: float, target) -> None:
+        """Slice j of group k (resident in the store): the update of its master and state, and its part of
+        the 16-bit copy (fp32 models: the master slice itself into the parameters)."""
+        g = self.flat_groups[k]
+        a, b = self._slices[k][j]
+        base = self.optimizer
+        master, *states = self.nvme.tensors((k, j))
+        group = next(pg for pg in base.param_groups if any(m is g.master for m in pg["params"]))
+        step = int(base.state[g.master]["step"]) + 1
+        base.step_slice(group, master, g.grad[a:b], dict(zip(base.state_keys, states)), step,
+                        out=None if target is None else target[a:b], grad_scale=combined)
+        if target is None and not _aliased(g):
+            g.flat[g.lo + a:g.lo + b].copy_(master)
 
     def _step_group(self, k: int, combined: float) -> None:
         g = self.flat_groups[k]
@@ -208,10 +240,20 @@ class ZeroOptimizer:
 
     # -- NVMe (ZeRO-Infinity) -----------------------------------------------------------------------------
 
-    def attach_nvme(self, store, pipeline_read: bool, pipeline_write: bool, fast_init: bool) -> None:
+    def nvme_slices(self, g, sub_group_size: Optional[int]) -> List[tuple]:
+        """Stages 1/2: the ranges [a, b) of a group's partition that NVMe offload swaps and steps as
+        sub-groups of ``sub_group_size`` elements (stage 3's groups are sub-groups already: one range)."""
+        n = g.hi - g.lo
+        if self.stage == 3 or not sub_group_size or n <= sub_group_size:
+            return [(0, n)]
+        return [(a, min(a + sub_group_size, n)) for a in range(0, n, sub_group_size)]
+
+    def attach_nvme(self, store, pipeline_read: bool, pipeline_write: bool, fast_init: bool,
+                    sub_group_size: Optional[int] = None) -> None:
         """Moves every group's fp32 master and optimizer state to NVMe (nvme_states.NVMeStateStore).
         The state is created now (zeros, step 0: what the first step would create); with ``fast_init``
-        the masters are written from the 16-bit partitions chunk by chunk, never whole in memory."""
+        the masters are written from the 16-bit partitions chunk by chunk, never whole in memory.
+        Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
         if not is_cpu_optimizer(self.optimizer):
             from .config import ConfigError
 
@@ -220,6 +262,10 @@ class ZeroOptimizer:
         self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
         base = self.optimizer
         for k, g in enumerate(self.flat_groups):
+            slices = self.nvme_slices(g, sub_group_size)
+            if len(slices) > 1:
+                self._attach_slices(k, g, slices, fast_init)
+                continue
             if fast_init:
                 old = g.master
                 made = store.register_from_lp(k, [g.flat[g.lo:g.hi]], [g.hi - g.lo] * len(base.state_keys))
@@ -237,6 +283,30 @@ class ZeroOptimizer:
                 base._init_state(g.master, state)
                 store.register(k, [g.master] + [state[key] for key in base.state_keys])
             g.materialize = (lambda k=k: self.materialized([k]))  # stage 3's GatheredParameters writes masters
+
+    def _attach_slices(self, k: int, g, slices: List[tuple], fast_init: bool) -> None:
+        """[Note: stage-1/2 NVMe sub-groups] The optimizer keeps seeing one master per param group, but
+        between materializations that master and its state tensors are empty (0 elements), and the
+        values live in store groups (k, j), one per slice j of the partition, each with tensors of its
+        own: the step streams them (_step_slice), materialized() assembles whole tensors from them and
+        splits them back. Host memory then holds buffer_count slices, not the partition."""
+        base = self.optimizer
+        for j, (a, b) in enumerate(slices):
+            if fast_init:
+                store_tensors = self.nvme.register_from_lp((k, j), [g.flat[g.lo + a:g.lo + b]],
+                                                           [b - a] * len(base.state_keys))
+            else:
+                store_tensors = [g.master[a:b].clone()] + [torch.zeros(b - a) for _ in base.state_keys]
+                self.nvme.register((k, j), store_tensors)
+        state = base.state[g.master]
+        state.clear()
+        state["step"] = 0
+        for key in base.state_keys:
+            state[key] = torch.empty(0)
+        g.master.grad = g.grad  # (kept through the master's empty spells, as with the whole-group swaps)
+        g.master.data = torch.empty(0)
+        self._slices[k] = slices
+        g.materialize = (lambda k=k: self.materialized([k]))
 
     @contextlib.contextmanager
     def materialized(self, keys=None, modified: bool = True):
@@ -256,14 +326,47 @@ class ZeroOptimizer:
             yield
             return
         keys = [k for k in (range(len(self.flat_groups)) if keys is None else keys) if k not in self._materialized]
-        with self.nvme.in_memory(keys, modified):
+        sliced = [k for k in keys if k in self._slices]
+        store_keys = [k for k in keys if k not in self._slices]
+        store_keys += [(k, j) for k in sliced for j in range(len(self._slices[k]))]
+        with self.nvme.in_memory(store_keys, modified):
+            for k in sliced:
+                self._assemble(k)
             self._materialized.update(keys)
             try:
                 yield
             finally:
                 self._materialized.difference_update(keys)
                 for k in keys:
-                    self._relink_state(k)
+                    if k in self._slices:
+                        self._split(k, modified)
+                    else:
+                        self._relink_state(k)
+
+    def _assemble(self, k: int) -> None:
+        """Sliced group k's whole master and state, from its slices (in memory): see [Note: stage-1/2 NVMe
+        sub-groups]."""
+        g, base = self.flat_groups[k], self.optimizer
+        parts = [self.nvme.tensors((k, j)) for j in range(len(self._slices[k]))]
+        g.master.data = torch.cat([p[0] for p in parts])
+        state = base.state[g.master]
+        for i, key in enumerate(base.state_keys):
+            state[key] = torch.cat([p[1 + i] for p in parts])
+
+    def _split(self, k: int, modified: bool) -> None:
+        """The reverse of _assemble: the whole tensors' values (the state's may have been replaced, by
+        load_state_dict) back into the slices, which the store then writes; the whole tensors go."""
+        g, base = self.flat_groups[k], self.optimizer
+        state = base.state[g.master]
+        for j, (a, b) in enumerate(self._slices[k]):
+            if modified:
+                master, *states = self.nvme.tensors((k, j))
+                master.copy_(g.master.data[a:b])
+                for key, t in zip(base.state_keys, states):
+                    t.copy_(state[key].reshape(-1)[a:b])
+        g.master.data = torch.empty(0)
+        for key in base.state_keys:
+            state[key] = torch.empty(0)
 
     def _relink_state(self, k: int) -> None:
         """load_state_dict replaces state tensors: their values go into the registered (swapped) ones,

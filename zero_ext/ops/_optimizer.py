@@ -212,6 +212,17 @@ class CPUOptimizer(torch.optim.Optimizer):
                     out.copy_(p.detach().reshape(out.shape))
         return loss
 
+    @torch.no_grad()
+    def step_slice(self, group: dict, param, grad, state: dict, step: int, out=None, grad_scale: float = 1.0):
+        """The update step() makes of a parameter of param group ``group`` at step number ``step``, on
+        the tensors given (``state``: one per ``state_keys``) and counting nothing: zero_ext's NVMe
+        offload steps a stage-1/2 partition one sub-group slice at a time, as its state streams in."""
+        _sync_threads()
+        batch = _Batch(self.state_keys)
+        batch.add(param, grad, state, out)
+        self._kernel(group, step, batch, float(grad_scale))
+        batch.finish()
+
     def load_state_dict(self, state_dict):
         """torch's load_state_dict, keeping fp32 states fp32: torch casts every loaded state tensor
         to its parameter's dtype, which would round the fp32 states of bf16/fp16 parameters."""
