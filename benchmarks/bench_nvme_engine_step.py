@@ -3,8 +3,8 @@
     python benchmarks/bench_nvme_engine_step.py --nvme-path /local_nvme        # ~200M params, one process
     python benchmarks/bench_nvme_engine_step.py --params 50e6 --steps 2
 
-One process, ZeRO stage 3 (NVMe needs several optimizer sub-groups to pipeline; stages 1/2 have one
-group per param group), bf16, a stack of Linear(d, d) layers, AdamW through the engine's C optimizer.
+One process, ZeRO stage 3 by default (--stage 2: the partition is swapped in sub_group_size slices),
+bf16, a stack of Linear(d, d) layers, AdamW through the engine's C optimizer.
 Modes, each in its own engine, the same steps:
   cpu            offload_optimizer "cpu": masters and Adam state in host memory (no I/O)
   nvme           offload_optimizer "nvme", no pipelining: read group, step it, write it back, next
@@ -35,6 +35,8 @@ def parse_args():
     p.add_argument("--buffer-count", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--nvme-path", default=None, help="directory on the drive to test (default: a temp dir)")
+    p.add_argument("--stage", type=int, default=3, choices=(1, 2, 3),
+                   help="ZeRO stage (1/2: the partition is swapped in sub_group_size slices)")
     return p.parse_args()
 
 
@@ -53,7 +55,7 @@ def config(args, mode: str, nvme_path: str) -> dict:
     return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
             "aio": {"block_size": 1 << 20, "queue_depth": 32},
-            "zero_optimization": {"stage": 3, "sub_group_size": int(args.sub_group_size),
+            "zero_optimization": {"stage": args.stage, "sub_group_size": int(args.sub_group_size),
                                   "stage3_param_persistence_threshold": 0, "offload_optimizer": off}}
 
 
@@ -80,7 +82,7 @@ def main():
         io = None
         opt = engine.optimizer
         if opt.nvme is not None:
-            keys = list(range(len(opt.flat_groups)))
+            keys = opt.nvme.keys()  # sub-groups (stages 1/2: slices of the partition)
             io_times = []
             for _ in range(args.steps):
                 t0 = time.perf_counter()
@@ -88,7 +90,8 @@ def main():
                     pass
                 io_times.append(time.perf_counter() - t0)
             io = statistics.median(io_times)
-        groups = len(opt.flat_groups)
+        groups = len(opt.nvme) if opt.nvme is not None else sum(
+            len(opt.nvme_slices(g, int(args.sub_group_size))) for g in opt.flat_groups)
         if opt.nvme is not None and groups < 3 * args.buffer_count:
             raise SystemExit(f"{groups} sub-groups for {args.buffer_count} buffers: lower --sub-group-size")
         nbytes = sum(opt.nvme_file_bytes(g) for g in opt.flat_groups)

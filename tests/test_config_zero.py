@@ -336,6 +336,18 @@ def test_stage3_only_keys_below_stage3_warn_once():
     assert "sub_group_size" in messages[0]
 
 
+def test_sub_group_size_below_stage3_counts_with_nvme_optimizer_offload(tmp_path):
+    """It slices the stage-1/2 partition that NVMe offload swaps: no warning then, the others still."""
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.warns(ConfigWarning, match="only affect ZeRO stage 3") as record:
+        load_config(zero(stage=2, sub_group_size=1e7, stage3_max_live_parameters=1e9, offload_optimizer=nvme))
+    messages = [str(w.message) for w in record if "stage 3" in str(w.message)]
+    assert len(messages) == 1 and "max_live_parameters" in messages[0] and "sub_group_size" not in messages[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(zero(stage=1, sub_group_size=1e7, offload_optimizer=nvme))
+
+
 def test_stage3_only_keys_at_stage3_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -56,7 +56,8 @@ class ZeroConfig(ConfigModel):
         None, "Optimizer-state offload to CPU/NVMe; see offload_optimizer below.")
     zenflow: Optional[ZenFlowConfig] = option(None, "ZenFlow settings; see zenflow below.")
     sub_group_size: Int = option(
-        1_000_000_000, "Elements per optimizer sub-group (tile) stepped at a time.", ge=0,
+        1_000_000_000, "Elements per optimizer sub-group (tile) stepped at a time; with "
+        "offload_optimizer nvme also at stages 1/2 (slices of the partition swapped at a time).", ge=0,
         stage3_only=True, ds_note="DeepSpeed's docs example uses 1e12; its code default is 1e9.")
     cpu_offload_param: Optional[bool] = option(
         None, "Deprecated: true means offload_param = {\"device\": \"cpu\"}.",
@@ -256,8 +257,10 @@ def _stage_rules(z: ZeroConfig):
 
 
 def stage3_only_keys_given(z: ZeroConfig) -> Tuple[str, ...]:
-    """Stage-3-only keys the user set although stage < 3 (they have no effect)."""
+    """Stage-3-only keys the user set although stage < 3 (they have no effect). sub_group_size also
+    slices the stage-1/2 partitions that offload_optimizer.device "nvme" swaps."""
     if z.stage == 3:
         return ()
+    nvme = z.offload_optimizer is not None and z.offload_optimizer.device == "nvme"
     return tuple(k for k in sorted(z.model_fields_set)
-                 if field_extra(ZeroConfig, k).get("stage3_only"))
+                 if field_extra(ZeroConfig, k).get("stage3_only") and not (nvme and k == "sub_group_size"))
