@@ -24,7 +24,8 @@ DEVIATIONS = [
      "A no-op the user did not ask for."),
     ("NVMe optimizer offload with stage 1/2",
      "Stage 1/2 silently fall back to CPU offload.",
-     "Implemented: masters and optimizer state go to NVMe at stages 1-3 alike.",
+     "Implemented: masters and optimizer state go to NVMe at stages 1-3 alike; at stages 1/2 the "
+     "partition is swapped in slices of sub_group_size elements.",
      "The user asked for NVMe and gets it; the swap store does not depend on the stage."),
     ("Optimizer offload with stage 0",
      "Ignored.",
