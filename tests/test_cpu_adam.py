@@ -590,3 +590,29 @@ def test_large_call_streams_copy(isa, two_threads):
     F.membw_adam(params, grads, m, v, outs=outs, isa=isa)
     for w, o in zip(want, outs):
         assert torch.equal(o.view(torch.int16).to(torch.int32) & 0xFFFF, w & 0xFFFF)
+
+
+def test_large_state_on_huge_pages_saves_loads_and_steps_the_same():
+    """State of a parameter from 2 MiB up lives on a huge-page mapping (aio.aligned_empty): it saves,
+    loads (into such a mapping again) and steps exactly like small state."""
+    import io
+
+    gen = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.randn(1 << 20, generator=gen))
+    p.grad = torch.randn(1 << 20, generator=gen)
+    opt = CPUAdam([p], lr=1e-2)
+    opt.step()
+    state = opt.state[p]["exp_avg"]
+    assert state.data_ptr() % (2 << 20) == 0  # its own 2 MiB-aligned mapping, not torch's allocator
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    q = torch.nn.Parameter(p.detach().clone())
+    q.grad = p.grad.clone()
+    again = CPUAdam([q], lr=1e-2)
+    again.load_state_dict(torch.load(buf))
+    assert again.state[q]["exp_avg"].data_ptr() % (2 << 20) == 0
+    for o in (opt, again):
+        o.step()
+    assert torch.equal(p, q)
+    assert torch.equal(opt.state[p]["exp_avg_sq"], again.state[q]["exp_avg_sq"])
