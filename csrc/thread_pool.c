@@ -76,14 +76,12 @@ static uint64_t now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-/* Polls until *word differs from `from` (or pool.quit is set), for at most POOL_SPIN_NS. Called
- * without pool.mu; the caller re-checks under it. */
-static void spin_while_equal(const uint64_t *word, uint64_t from)
+/* Polls ready(arg) until it holds, for at most POOL_SPIN_NS. Called without pool.mu; the caller
+ * re-checks under it. */
+static void spin_until(int (*ready)(uint64_t), uint64_t arg)
 {
 	uint64_t start = now_ns();
-	for (unsigned k = 0;; k++) {
-		if (__atomic_load_n(word, __ATOMIC_ACQUIRE) != from || __atomic_load_n(&pool.quit, __ATOMIC_RELAXED))
-			return;
+	for (unsigned k = 0; !ready(arg); k++) {
 		if ((k & 63) == 63 && now_ns() - start > POOL_SPIN_NS)
 			return;
 #if defined(__x86_64__) || defined(__i386__)
@@ -92,17 +90,17 @@ static void spin_while_equal(const uint64_t *word, uint64_t from)
 	}
 }
 
-/* As spin_while_equal, until every worker of the current run has finished. */
-static void spin_while_equal_pending(void)
+/* A worker's wait: a run after generation `seen` has begun, or the pool is stopping. */
+static int new_run(uint64_t seen)
 {
-	uint64_t start = now_ns();
-	for (unsigned k = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0; k++) {
-		if ((k & 63) == 63 && now_ns() - start > POOL_SPIN_NS)
-			return;
-#if defined(__x86_64__) || defined(__i386__)
-		__builtin_ia32_pause();
-#endif
-	}
+	return __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE) != seen ||
+	       __atomic_load_n(&pool.quit, __ATOMIC_RELAXED);
+}
+
+/* The caller's wait: every worker of the current run has finished. */
+static int run_finished(uint64_t unused)
+{
+	return __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) == 0;
 }
 
 static void *pool_worker(void *p)
@@ -114,7 +112,7 @@ static void *pool_worker(void *p)
 	for (;;) {
 		if (pool.gen == seen && !pool.quit) {
 			pthread_mutex_unlock(&pool.mu);
-			spin_while_equal(&pool.gen, seen);
+			spin_until(new_run, seen);
 			pthread_mutex_lock(&pool.mu);
 		}
 		while (pool.gen == seen && !pool.quit)
@@ -223,15 +221,14 @@ int zx_pool_run(zx_pool_fn fn, void *arg, int nthreads)
 	pool.arg = arg;
 	pool.njob = nthreads;
 	pool.pending = nthreads - 1;
-	__atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE); /* (workers poll it, see spin) */
+	__atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE); /* (workers poll it, see spin_until) */
 	if (nthreads > 1)
 		pthread_cond_broadcast(&pool.start_cv);
 	pthread_mutex_unlock(&pool.mu);
 
 	fn(arg, 0, nthreads);
 
-	if (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0)
-		spin_while_equal_pending();
+	spin_until(run_finished, 0);
 	pthread_mutex_lock(&pool.mu);
 	while (pool.pending > 0)
 		pthread_cond_wait(&pool.done_cv, &pool.mu);
