@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .aio import aligned_empty
+from .aio import host_empty
 from .config import ConfigError
 
 _HOST = torch.device("cpu")
@@ -34,11 +34,11 @@ class HostMemory:
         self._tensors: List[torch.Tensor] = []
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Pinned (CUDA page-locked) with pin_memory, else from 2 MiB up on transparent huge pages
-        (aio.aligned_empty): the C optimizer's pass over masters, gradients and state is bound by
-        how many cache misses a core keeps in flight, and 4 KiB pages add a TLB miss every 4 KiB of
-        each array."""
-        t = aligned_empty(numel, dtype, pin_memory=self.pin).zero_()
+        """Pinned (CUDA page-locked) with pin_memory, else aio.host_empty (huge pages from 2 MiB up)."""
+        if self.pin:
+            t = torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=True)
+        else:
+            t = host_empty(numel, dtype).zero_()
         self._tensors.append(t)
         return t
 
