@@ -3,6 +3,7 @@
     python benchmarks/bench_cpu_adam.py                       # 1e6, 1e7, 1e8 elements + the offloaded step
     python benchmarks/bench_cpu_adam.py --sizes 1e6 --rounds 3
     python benchmarks/bench_cpu_adam.py --ds-site /tmp/dsvenv/lib/python3.11/site-packages
+    python benchmarks/bench_cpu_adam.py --sizes 1e8 --memory huge --no-param-list
 
 Everything is measured in the same process and interleaved: each round runs every variant once (timed
 after one untimed call of it, so that no variant pays for waking the machine).
@@ -23,6 +24,17 @@ The offloaded step is unscale + clip + Adam + bf16 copy of the new parameters:
                DeepSpeed's ZeRO-Offload step does on the flat fp32 gradient.
 The parameter-list case is ~100M elements in ~240 tensors of a GPT-like model, stepped through the
 optimizer classes (zero_ext: one C call for the group; DeepSpeed: one op call per tensor).
+Each size runs on two kinds of memory (--memory), every variant on the same kind, its state
+included (torch's and DeepSpeed's optimizer state is moved there after their first step):
+  torch    torch.empty: 4 KiB pages, where a user's parameters and gradients usually live;
+  huge     host_buffers.host_empty: transparent huge pages, each tensor on its own cache colour
+           (offset in its page), where the engine keeps offloaded masters, gradient partitions and
+           optimizer state, and CPUAdam its state. 4 KiB pages add a TLB miss every 4 KiB of each
+           array, and torch's page-aligned arrays all share one colour; every memory-bound kernel
+           runs faster on huge pages, torch's foreach AdamW hardly (its time goes to its
+           temporaries, fresh memory each step).
+"zx CPUAdam.step" is the optimizer class as a user runs it on the case's parameters and gradients,
+with its own state (on huge pages whatever --memory says, as CPUAdam allocates it).
 Benchmarks decide nothing: they print.
 """
 import argparse
@@ -36,6 +48,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from zero_ext.host_buffers import host_empty  # noqa: E402
 from zero_ext.ops import functional as F  # noqa: E402
 from zero_ext.ops.adam import CPUAdam  # noqa: E402
 
@@ -65,17 +78,37 @@ def load_deepspeed(site):
         return None, f"{type(e).__name__}: {e}"
 
 
-class Case:
-    """One size: the tensors every variant shares."""
+MEMORY = {"torch": lambda shape, dtype=torch.float32: torch.empty(shape, dtype=dtype), "huge": host_empty}
 
-    def __init__(self, n, gen):
-        self.n = n
-        self.p = torch.randn(n, generator=gen)
-        self.g = torch.randn(n, generator=gen) * 1e-3
-        self.m = torch.zeros(n)
-        self.v = torch.zeros(n)
-        self.half = torch.empty(n, dtype=torch.bfloat16)
+
+def move_state(opt, empty):
+    """Runs opt's first step (which allocates its state), then moves its state tensors to memory
+    from empty, so that the optimizer works on the same kind of memory as the others."""
+    opt.step()
+    for state in opt.state.values():
+        for k, t in state.items():
+            if torch.is_tensor(t) and t.numel() > 1:
+                state[k] = empty(t.shape, t.dtype).copy_(t)
+    return opt
+
+
+class Case:
+    """One size: the tensors every variant shares, from empty (a MEMORY entry)."""
+
+    def __init__(self, n, gen, empty):
+        self.n, self.empty = n, empty
+        self.p = empty(n).copy_(torch.randn(n, generator=gen))
+        self.g = empty(n).copy_(torch.randn(n, generator=gen) * 1e-3)
+        self.m = empty(n).zero_()
+        self.v = empty(n).zero_()
+        self.half = empty(n, torch.bfloat16)
         self.step = 0
+
+    def param(self):
+        """A Parameter of its own (a copy of p) with g's values as its gradient, on the case's memory."""
+        p = torch.nn.Parameter(self.empty(self.n).copy_(self.p))
+        p.grad = self.empty(self.n).copy_(self.g)
+        return p
 
     def zx_adam(self, isa, out):
         def run():
@@ -97,9 +130,8 @@ class Case:
         return run
 
 
-def torch_opt(param, **kw):
-    opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
-    return opt.step
+def torch_opt(param, empty, **kw):
+    return move_state(torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw), empty).step
 
 
 def ds_offloaded(opt, param, half, max_norm=1e30, loss_scale=1.0):
@@ -142,24 +174,24 @@ def gpt_like_sizes(d=576, layers=20, vocab=36000):
     return sizes + [d, d]
 
 
-def bench_size(n, args, ds_cls, gen):
-    c = Case(n, gen)
+def bench_size(n, args, ds_cls, gen, empty):
+    c = Case(n, gen, empty)
     variants = {"floor": c.floor(False), "floor+bf16": c.floor(True)}
     for isa in F.available_isas():
         if isa == "scalar" and n > args.scalar_max:
             continue
         variants[f"zx {isa}"] = c.zx_adam(isa, False)
         variants[f"zx {isa}+bf16"] = c.zx_adam(isa, True)
-    tp = torch.nn.Parameter(c.p.clone())
-    tp.grad = c.g.clone()
-    variants["torch foreach"] = torch_opt(tp, foreach=True)
-    variants["torch fused"] = torch_opt(tp, fused=True)
+    zp = c.param()
+    variants["zx CPUAdam.step"] = CPUAdam([zp], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD).step
+    tp = c.param()
+    variants["torch foreach"] = torch_opt(tp, empty, foreach=True)
+    variants["torch fused"] = torch_opt(tp, empty, fused=True)
     if ds_cls:
-        dp = torch.nn.Parameter(c.p.clone())
-        dp.grad = c.g.clone()
-        ds_opt = ds_cls([dp], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True)
+        dp = c.param()
+        ds_opt = move_state(ds_cls([dp], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True), empty)
         variants["ds"] = ds_opt.step
-        ds_half = torch.empty(n, dtype=torch.bfloat16)
+        ds_half = empty(n, torch.bfloat16)
         variants["ds offloaded step"] = ds_offloaded(ds_opt, dp, ds_half)
     variants["zx offloaded step"] = c.zx_offloaded(max_norm=1e30)
     return measure(variants, n, args.rounds)
@@ -219,6 +251,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scalar-max", type=float, default=1e8, help="skip the scalar path above this size")
     ap.add_argument("--ds-site", default=None, help="site-packages of a venv where deepspeed is installed")
+    ap.add_argument("--memory", default="torch,huge", help="kinds of memory to run each size on: torch, huge")
     ap.add_argument("--no-param-list", action="store_true")
     args = ap.parse_args()
 
@@ -229,13 +262,16 @@ def main():
     print("DeepSpeedCPUAdam: " + ("loaded" if ds_cls else f"not available ({why})"))
     gen = torch.Generator().manual_seed(0)
     for n in (int(float(s)) for s in args.sizes.split(",")):
-        rates = bench_size(n, args, ds_cls, gen)
-        print(fmt_table(f"{n:.0e} elements", rates, ["floor", "floor+bf16", "ds", "torch foreach"]))
-        for a, b in (("zx avx512", "ds"), ("zx avx512+bf16", "floor+bf16"), ("zx offloaded step", "ds offloaded step")):
-            r = ratio(rates, a, b) if a in rates else None
-            if r is not None:
-                print(f"{a} / {b}: {r:.2f}")
-        gc.collect()
+        for memory in args.memory.split(","):
+            rates = bench_size(n, args, ds_cls, gen, MEMORY[memory])
+            print(fmt_table(f"{n:.0e} elements, {memory} memory", rates, ["floor", "floor+bf16", "ds", "torch foreach"]))
+            for a, b in (("zx avx512", "ds"), ("zx avx512", "torch foreach"), ("zx avx512+bf16", "floor+bf16"),
+                         ("zx offloaded step", "ds offloaded step")):
+                r = ratio(rates, a, b) if a in rates and b in rates else None
+                if r is not None:
+                    print(f"{a} / {b}: {r:.2f}")
+            del rates
+            gc.collect()
     if not args.no_param_list:
         count, total, rates = bench_param_list(args, ds_cls, gen)
         print(fmt_table(f"parameter list: {count} tensors, {total / 1e6:.1f}M elements", rates,

@@ -593,17 +593,25 @@ def test_large_call_streams_copy(isa, two_threads):
 
 
 def test_large_state_on_huge_pages_saves_loads_and_steps_the_same():
-    """State of a parameter from 2 MiB up lives on a huge-page mapping (aio.aligned_empty): it saves,
-    loads (into such a mapping again) and steps exactly like small state."""
+    """State of a parameter from 2 MiB up lives on a huge-page mapping (host_buffers.host_empty), each
+    tensor on its own cache colour: it saves, loads (into such mappings again) and steps exactly like
+    small state."""
     import io
+
+    from zero_ext.host_buffers import COLOUR_BYTES, COLOURS
+
+    def on_huge_pages_coloured(state):
+        starts = [state[k].data_ptr() for k in ("exp_avg", "exp_avg_sq")]
+        # its own 2 MiB-aligned mapping (not torch's allocator), offset by a colour
+        assert all(a % (2 << 20) % COLOUR_BYTES == 0 and a % (2 << 20) < COLOURS * COLOUR_BYTES for a in starts)
+        assert starts[0] % 4096 != starts[1] % 4096  # successive tensors: different colours
 
     gen = torch.Generator().manual_seed(3)
     p = torch.nn.Parameter(torch.randn(1 << 20, generator=gen))
     p.grad = torch.randn(1 << 20, generator=gen)
     opt = CPUAdam([p], lr=1e-2)
     opt.step()
-    state = opt.state[p]["exp_avg"]
-    assert state.data_ptr() % (2 << 20) == 0  # its own 2 MiB-aligned mapping, not torch's allocator
+    on_huge_pages_coloured(opt.state[p])
     buf = io.BytesIO()
     torch.save(opt.state_dict(), buf)
     buf.seek(0)
@@ -611,7 +619,7 @@ def test_large_state_on_huge_pages_saves_loads_and_steps_the_same():
     q.grad = p.grad.clone()
     again = CPUAdam([q], lr=1e-2)
     again.load_state_dict(torch.load(buf))
-    assert again.state[q]["exp_avg"].data_ptr() % (2 << 20) == 0
+    on_huge_pages_coloured(again.state[q])
     for o in (opt, again):
         o.step()
     assert torch.equal(p, q)

@@ -31,8 +31,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
-import math
-import mmap
 import os
 import shutil
 import socket
@@ -44,10 +42,10 @@ from typing import Dict, Optional, Union
 import torch
 
 from . import _C
+from .host_buffers import ALIGN, HUGE_PAGE, aligned_empty, host_empty, is_aligned  # noqa: F401 (the API)
 
 logger = logging.getLogger("zero_ext.aio")
 
-ALIGN = 4096  # bytes: file offsets, block sizes and O_DIRECT buffers are multiples of it
 BACKENDS = ("uring", "threads")
 ENV = "ZERO_EXT_AIO"
 SWAP_DIR_PREFIX = "zero_ext_swap-"
@@ -110,51 +108,6 @@ def choose_backend(backend: Optional[str] = None) -> str:
 
 # ---------------------------------------------------------------------------------------------------
 # Buffers and files
-
-HUGE_PAGE = 2 << 20
-
-
-def aligned_empty(shape, dtype: torch.dtype = torch.uint8, *, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised CPU tensor whose data starts on a 4096-byte boundary, as O_DIRECT needs.
-
-    From 2 MiB up it is an anonymous mapping of its own, aligned to 2 MiB and advised to use
-    transparent huge pages: every request then pins a few large pages instead of 256 small ones per
-    MiB, and the device gets fewer, longer segments (on our disk +8% at 1 MiB blocks, up to +35% at
-    256 KiB). The mapping is unmapped when the last tensor using it goes. ``pin_memory``: CUDA
-    page-locked memory instead (no huge pages)."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
-    if nbytes >= HUGE_PAGE and not pin_memory:
-        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()
-        start = -base % HUGE_PAGE
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
-            except OSError:
-                pass  # THP off in this kernel: small pages work too
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
-        return raw.view(dtype).view(shape)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
-    start = -raw.data_ptr() % ALIGN
-    return raw[start:start + nbytes].view(dtype).view(shape)
-
-
-def host_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised host tensor for long-lived, large state (offloaded masters, gradients, CPU
-    optimizer state): from 2 MiB up on transparent huge pages as aligned_empty makes them (a pass
-    over 4 KiB pages adds a TLB miss every 4 KiB of each array: the C Adam step ran ~10 % slower
-    there), below that an ordinary tensor (no alignment padding for small ones)."""
-    shape = (shape,) if isinstance(shape, int) else tuple(shape)
-    if math.prod(shape) * torch.empty((), dtype=dtype).element_size() >= HUGE_PAGE:
-        return aligned_empty(shape, dtype)
-    return torch.empty(shape, dtype=dtype)
-
-
-def is_aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % ALIGN == 0
-
 
 def _direct_refused(path: str, exc: OSError) -> None:
     try:

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .aio import host_empty
+from .host_buffers import host_empty
 from .config import ConfigError
 
 _HOST = torch.device("cpu")
@@ -34,7 +34,7 @@ class HostMemory:
         self._tensors: List[torch.Tensor] = []
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Pinned (CUDA page-locked) with pin_memory, else aio.host_empty (huge pages from 2 MiB up)."""
+        """Pinned (CUDA page-locked) with pin_memory, else host_buffers.host_empty (huge pages, colours)."""
         if self.pin:
             t = torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=True)
         else:

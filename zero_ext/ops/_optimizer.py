@@ -13,7 +13,7 @@ from itertools import chain
 
 import torch
 
-from ..aio import host_empty
+from ..host_buffers import host_empty
 from ._tensors import DTYPE_CODE
 from .functional import _sync_threads
 
@@ -246,7 +246,7 @@ class CPUOptimizer(torch.optim.Optimizer):
 
 def _state_tensor(p, dtype) -> torch.Tensor:
     """An uninitialised state tensor shaped like p, on p's device; for a CPU parameter from
-    aio.host_empty (huge pages from 2 MiB up)."""
+    host_buffers.host_empty (huge pages from 2 MiB up, on its own cache colour)."""
     if p.device.type == "cpu":
         return host_empty(tuple(p.shape), dtype)
     return torch.empty(p.shape, dtype=dtype, device=p.device)
