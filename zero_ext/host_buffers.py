@@ -54,18 +54,19 @@ COLOURS = 8
 _next_colour = itertools.count()
 
 
-def host_empty(shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def host_empty(shape, dtype: torch.dtype = torch.float32, *, pin_memory: bool = False) -> torch.Tensor:
     """An uninitialised host tensor for long-lived, large state (offloaded masters, gradients, CPU
-    optimizer state): from 2 MiB up on transparent huge pages as aligned_empty makes them (a pass
-    over 4 KiB pages adds a TLB miss every 4 KiB of each array: the C Adam step ran ~10 % slower
-    there), starting at the next of COLOURS offsets of COLOUR_BYTES in its page (see above; so not
-    page-aligned: O_DIRECT I/O goes through aligned_empty buffers); below 2 MiB an ordinary tensor."""
+    optimizer state). From 2 MiB up it starts at the next of COLOURS offsets of COLOUR_BYTES in its
+    page (see above; so it is not page-aligned: O_DIRECT I/O goes through aligned_empty buffers),
+    and is on transparent huge pages as aligned_empty makes them (a pass over 4 KiB pages adds a TLB
+    miss every 4 KiB of each array: the C Adam step ran ~10 % slower there); ``pin_memory``: in CUDA
+    page-locked memory instead (4 KiB pages, coloured all the same). Below 2 MiB an ordinary tensor."""
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
     colour = next(_next_colour) % COLOURS * COLOUR_BYTES
-    raw = aligned_empty(colour + nbytes, torch.uint8)
+    raw = aligned_empty(colour + nbytes, torch.uint8, pin_memory=pin_memory)
     return raw[colour:colour + nbytes].view(dtype).view(shape)
 
 

@@ -17,10 +17,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .host_buffers import host_empty
 from .config import ConfigError
+from .host_buffers import host_empty
 
-_HOST = torch.device("cpu")
 
 # Optimizers that step host tensors in C (their class names; DeepSpeed's aliases included).
 CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "DeepSpeedCPUAdagrad", "CPULion", "DeepSpeedCPULion")
@@ -34,11 +33,9 @@ class HostMemory:
         self._tensors: List[torch.Tensor] = []
 
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Pinned (CUDA page-locked) with pin_memory, else host_buffers.host_empty (huge pages, colours)."""
-        if self.pin:
-            t = torch.zeros(numel, dtype=dtype, device=_HOST, pin_memory=True)
-        else:
-            t = host_empty(numel, dtype).zero_()
+        """host_buffers.host_empty, zeroed: pinned (CUDA page-locked) with pin_memory, else on huge
+        pages; from 2 MiB up on its own cache colour either way."""
+        t = host_empty(numel, dtype, pin_memory=self.pin).zero_()
         self._tensors.append(t)
         return t
 
