@@ -13,7 +13,8 @@ the median over rounds of the ratio within a round, which load from other work o
 measured in the same run:
   floor    a kernel in _C that moves exactly Adam's bytes (reads p, g, m, v; writes p, m, v; plus
            the 2-byte write for the bf16 variant) with trivial arithmetic, on the same tiles and
-           threads: no Adam kernel can beat it on data larger than the caches;
+           threads and with the same prefetch: the memory wall on data larger than the caches (an
+           Adam loop, whose stores come spread between arithmetic, can end a few percent above it);
   ds       DeepSpeed's DeepSpeedCPUAdam (its AVX-512 kernel), when deepspeed can be imported (pass
            --ds-site with a venv's site-packages to use one installed there; never install it into
            the main environment);
