@@ -30,7 +30,11 @@ internal phases, wrapped per instance by this script (the library has no timing 
     all_gather_params          N > 1: every rank's new partition into every rank's parameters
     rest of step               unscale/clip multiply (device), bookkeeping
 Each step is timed on every rank after a barrier; a phase's figure is the slower rank's, the table the
-median over the timed steps. Ratios are offload / device from the same run. Benchmarks decide nothing.
+median over the timed steps. Ratios are offload / device from the same run.
+This model's gradients vanish through its depth: after a few steps a fifth of exp_avg_sq is subnormal,
+and on x86 every vector operation with a subnormal lane takes a microcode assist, in the C step and in
+torch's AdamW alike. --flush-denormal runs with torch.set_flush_denormal(True) (which the C step follows)
+to show the difference. Benchmarks decide nothing.
 """
 import argparse
 import os
@@ -64,6 +68,8 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--worlds", default="1,2", help="comma-separated process counts (gloo)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per world size")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="torch.set_flush_denormal(True) in every rank (the C step follows the caller's mode)")
     return p.parse_args()
 
 
@@ -142,6 +148,7 @@ def worker(rank: int, world: int, args, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_flush_denormal(args.flush_denormal)
     import zero_ext
 
     dist.init_process_group("gloo")
@@ -169,8 +176,11 @@ def worker(rank: int, world: int, args, port: int, queue) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[mode] = {n: statistics.median(t[:, j].tolist()) for j, n in enumerate(names)}
     numel = sum(p.numel() for p in engines["offload"].module.parameters())
+    state = engines["offload"].optimizer.optimizer.state.values()
+    v = torch.cat([s["exp_avg_sq"].reshape(-1) for s in state])
+    subnormal = float(((v != 0) & (v.abs() < torch.finfo(torch.float32).tiny)).double().mean())
     if rank == 0:
-        queue.put({"phases": out, "kinds": kinds, "params": numel,
+        queue.put({"phases": out, "kinds": kinds, "params": numel, "subnormal": subnormal,
                    "threads": (torch.get_num_threads(), zero_ext.ops.get_num_threads())})
     for e in engines.values():
         e.destroy()
@@ -201,6 +211,9 @@ def print_table(world: int, r: dict, args) -> None:
         print(" | ".join(cell.ljust(w) for cell, w in zip(row, widths)))
     print(f"C fused step / (torch AdamW step + bf16 copy): {opt_ratio:.2f}; "
           f"step share of total: offload {off['step'] / off['total']:.0%}, device {dev['step'] / dev['total']:.0%}")
+    print(f"exp_avg_sq subnormal after the run (rank 0): {r['subnormal']:.1%}"
+          + ("; flush to zero on" if args.flush_denormal else
+             " (each vector op on one takes a microcode assist; see --flush-denormal)"))
 
 
 def main():
