@@ -27,18 +27,22 @@
  * never such a point (M B would need 25 significant bits from S's 24). The double product is
  * within 2^-52 of s/b (two roundings of 2^-53), so it rounds to the same float. s = sqrt(v) is 0,
  * normal, Inf or NaN, never subnormal, and b is in (0, 1], so neither overflows nor underflows.
- * Each loop iteration works on a block of eight vectors of every array: all 32 loads first, then
- * the arithmetic, then the stores (the arrays may alias as far as the compiler knows, so it would
- * not hoist a later vector's loads above an earlier one's stores itself), with a prefetch of the
- * block 2 KiB ahead. The kernel is bound by how many cache misses one core keeps in flight; this
- * brought it from ~0.90 to ~0.97 of the bandwidth floor at 1e8 elements (benchmarks/bench_cpu_adam.py).
+ * Past the caches the kernel is bound by how many cache misses one core keeps in flight, so every
+ * line is prefetched 2 KiB ahead (from ~0.90 to ~0.97 of the bandwidth floor at 1e8 elements,
+ * benchmarks/bench_cpu_adam.py). An AVX2 iteration works on a block of eight vectors of every array:
+ * all 32 loads first, then the arithmetic, then the stores (the arrays may alias as far as the
+ * compiler knows, so it would not hoist a later vector's loads above an earlier one's stores
+ * itself). An AVX-512 vector is one cache line of each array, and one vector per iteration did best
+ * there: blocks of eight ran 0-2 % slower at 1e8 elements and 11 % at 1e7 (in this machine's L3).
+ * The divider bounds the arithmetic, and it does as many elements per cycle at either width: in
+ * cache the two paths run at the same speed (2.4e9 elements/s on one core here).
  */
 #include <errno.h>
 #include <math.h>
 
 #include "cpu_optim.h"
 
-/* Vectors of each array per block. */
+/* Vectors of each array per block of the AVX2 loop. */
 #define ADAM_BLOCK 8
 
 /* Hyperparameters, rounded to fp32 from the double values torch computes in Python. */
@@ -286,7 +290,7 @@ ZX_TARGET_AVX2 static void adam_span_avx2(const void *ctx, const zx_optim_tensor
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * AVX-512: 16 lanes, blocks of ADAM_BLOCK vectors, the tail through a mask */
+ * AVX-512: 16 lanes, one vector (a cache line of each array) per iteration, the tail through a mask */
 
 struct adam_v16 {
 	__m512 grad_scale, wd, decay, w1, b2, w2, eps, neg_step;
@@ -320,36 +324,6 @@ ZX_TARGET_AVX512 ZX_INLINE void adam16_math(const struct adam_v16 *k, __m512 *P,
 	*P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k->neg_step, m), d));
 	*M = m;
 	*V = v;
-}
-
-/* A block of ADAM_BLOCK vectors of 16 at offset i: loads, arithmetic, stores. */
-ZX_TARGET_AVX512 ZX_INLINE void adam16_block(const struct adam_v16 *k, const zx_optim_tensor *t,
-					     int64_t i, const int l2, const int dbc, const int odt)
-{
-	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
-	const float *gp = t->grad + i;
-	__m512 P[ADAM_BLOCK], G[ADAM_BLOCK], M[ADAM_BLOCK], V[ADAM_BLOCK];
-	adam_prefetch(t, i, ADAM_BLOCK * 16);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		G[u] = _mm512_loadu_ps(gp + 16 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		M[u] = _mm512_loadu_ps(mp + 16 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		V[u] = _mm512_loadu_ps(vp + 16 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		P[u] = _mm512_loadu_ps(pp + 16 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		adam16_math(k, &P[u], G[u], &M[u], &V[u], l2, dbc);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm512_storeu_ps(pp + 16 * u, P[u]);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm512_storeu_ps(mp + 16 * u, M[u]);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm512_storeu_ps(vp + 16 * u, V[u]);
-	if (odt >= 0)
-		for (int u = 0; u < ADAM_BLOCK; u++)
-			zx_store16x16((uint16_t *)t->out + i + 16 * u, zx_to16x16(P[u], odt), 0xffff,
-				      k->stream);
 }
 
 /* One vector of 16 at offset i, only the lanes in mask. */
@@ -388,10 +362,10 @@ ZX_TARGET_AVX512 ZX_INLINE void adam_loop_avx512(const struct adam_ctx *c,
 		.stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 32),
 	};
 	int64_t i = b;
-	for (; i + 16 * ADAM_BLOCK <= e; i += 16 * ADAM_BLOCK)
-		adam16_block(&k, t, i, l2, dbc, odt);
-	for (; i + 16 <= e; i += 16)
+	for (; i + 16 <= e; i += 16) { /* a vector is a cache line of each array */
+		adam_prefetch(t, i, 16);
 		adam16(&k, t, i, l2, dbc, odt, 0xffff);
+	}
 	if (i < e)
 		adam16(&k, t, i, l2, dbc, odt, zx_tail_mask16(e - i));
 	if (k.stream)

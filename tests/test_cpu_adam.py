@@ -19,7 +19,7 @@ from zero_ext.ops.adam import CPUAdam, DeepSpeedCPUAdam
 ISAS = F.available_isas()
 # torch's vectorised kernels use FMA in lerp/addcmul/add(alpha); its scalar build does not
 TORCH_VECTORISED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-# sizes around the vector widths (8, 16), the blocks (64 for AVX2, 128 for AVX-512) and the tile
+# sizes around the vector widths (8, 16), the AVX2 block (64), 128 and the tile
 # (32768), in one call
 SIZES = [0, 1, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 143, 1000, 4099, 70001]
 
