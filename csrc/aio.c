@@ -115,12 +115,12 @@ void aio_finish(struct zx_aio *aio, struct zx_aio_req *r)
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * One request's aio_progress (both backends, outside the lock) */
+ * One request's progress (both backends, outside the lock) */
 
 /* Books the answer of one attempt at r: `res` bytes moved, or -errno. Returns 1 when the remainder
  * needs another attempt, 0 when r is finished (r->error tells how). A partial transfer is retried
  * while it stays page-aligned (O_DIRECT needs that); a full file system answers the retry with
- * -ENOSPC. No aio_progress at all is a short read (end of file) or a short write. */
+ * -ENOSPC. No progress at all is a short read (end of file) or a short write. */
 int aio_progress(struct zx_aio_req *r, int64_t res)
 {
 	if (res == -EINTR || res == -EAGAIN) {

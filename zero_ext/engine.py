@@ -542,8 +542,6 @@ class ZeroEngine(torch.nn.Module):
             self.optimizer.destroy_offload()
             self.optimizer.release()
         if self.nvme_pieces is not None:  # the model keeps its weights: pieces back in host memory first
-            from .zero.param import zero_param_of
-
             for pieces in self._piece_stores():  # (zero.Init's own store holds the pieces it wrote and kept)
                 pieces.bring_home()
             self.nvme_pieces = None
