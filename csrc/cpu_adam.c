@@ -179,15 +179,6 @@ ZX_TARGET_AVX2 ZX_INLINE void adam8_math(const struct adam_v8 *k, __m256 *P, __m
 	*V = v;
 }
 
-/* Prefetches the next lines of every array (see zx_prefetch_ahead), n floats of each. */
-ZX_INLINE void adam_prefetch(const zx_optim_tensor *t, int64_t i, int n)
-{
-	zx_prefetch_ahead(t->grad, i, t->numel, n);
-	zx_prefetch_ahead(t->exp_avg, i, t->numel, n);
-	zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, n);
-	zx_prefetch_ahead(t->param, i, t->numel, n);
-}
-
 /* A block of ADAM_BLOCK vectors of 8 at offset i: loads, arithmetic, stores. */
 ZX_TARGET_AVX2 ZX_INLINE void adam8_block(const struct adam_v8 *k, const zx_optim_tensor *t,
 					  int64_t i, const int l2, const int dbc, const int odt)
@@ -195,7 +186,7 @@ ZX_TARGET_AVX2 ZX_INLINE void adam8_block(const struct adam_v8 *k, const zx_opti
 	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
 	const float *gp = t->grad + i;
 	__m256 P[ADAM_BLOCK], G[ADAM_BLOCK], M[ADAM_BLOCK], V[ADAM_BLOCK];
-	adam_prefetch(t, i, ADAM_BLOCK * 8);
+	zx_prefetch_adam(t, i, ADAM_BLOCK * 8);
 	for (int u = 0; u < ADAM_BLOCK; u++)
 		G[u] = _mm256_loadu_ps(gp + 8 * u);
 	for (int u = 0; u < ADAM_BLOCK; u++)
@@ -299,11 +290,16 @@ struct adam_v16 {
 	int stream; /* this span streams its copy */
 };
 
-/* Adam on one vector of 16 lanes of each array, in registers. */
-ZX_TARGET_AVX512 ZX_INLINE void adam16_math(const struct adam_v16 *k, __m512 *P, __m512 g,
-					    __m512 *M, __m512 *V, const int l2, const int dbc)
+/* One vector of 16 at offset i, only the lanes in mask. */
+ZX_TARGET_AVX512 ZX_INLINE void adam16(const struct adam_v16 *k, const zx_optim_tensor *t,
+				       int64_t i, const int l2, const int dbc, const int odt,
+				       __mmask16 mask)
 {
-	__m512 p = *P, m = *M, v = *V;
+	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
+	__m512 p = _mm512_maskz_loadu_ps(mask, pp);
+	__m512 g = _mm512_maskz_loadu_ps(mask, t->grad + i);
+	__m512 m = _mm512_maskz_loadu_ps(mask, mp);
+	__m512 v = _mm512_maskz_loadu_ps(mask, vp);
 	g = _mm512_mul_ps(g, k->grad_scale);
 	if (l2)
 		g = _mm512_fmadd_ps(k->wd, p, g);
@@ -321,22 +317,7 @@ ZX_TARGET_AVX512 ZX_INLINE void adam16_math(const struct adam_v16 *k, __m512 *P,
 							_mm256_castps_pd(hi), 1));
 	}
 	d = _mm512_add_ps(d, k->eps);
-	*P = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k->neg_step, m), d));
-	*M = m;
-	*V = v;
-}
-
-/* One vector of 16 at offset i, only the lanes in mask. */
-ZX_TARGET_AVX512 ZX_INLINE void adam16(const struct adam_v16 *k, const zx_optim_tensor *t,
-				       int64_t i, const int l2, const int dbc, const int odt,
-				       __mmask16 mask)
-{
-	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
-	__m512 p = _mm512_maskz_loadu_ps(mask, pp);
-	__m512 g = _mm512_maskz_loadu_ps(mask, t->grad + i);
-	__m512 m = _mm512_maskz_loadu_ps(mask, mp);
-	__m512 v = _mm512_maskz_loadu_ps(mask, vp);
-	adam16_math(k, &p, g, &m, &v, l2, dbc);
+	p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k->neg_step, m), d));
 	_mm512_mask_storeu_ps(pp, mask, p);
 	_mm512_mask_storeu_ps(mp, mask, m);
 	_mm512_mask_storeu_ps(vp, mask, v);
@@ -363,7 +344,7 @@ ZX_TARGET_AVX512 ZX_INLINE void adam_loop_avx512(const struct adam_ctx *c,
 	};
 	int64_t i = b;
 	for (; i + 16 <= e; i += 16) { /* a vector is a cache line of each array */
-		adam_prefetch(t, i, 16);
+		zx_prefetch_adam(t, i, 16);
 		adam16(&k, t, i, l2, dbc, odt, 0xffff);
 	}
 	if (i < e)

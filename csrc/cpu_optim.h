@@ -232,6 +232,17 @@ static inline __attribute__((always_inline)) void zx_prefetch_ahead(const float 
 	for (int o = 0; o < n; o += 16)
 		_mm_prefetch((const char *)(a + at + o), _MM_HINT_T0);
 }
+
+/* zx_prefetch_ahead of the four arrays an Adam step reads (and the floor kernel, which moves the
+ * same bytes). */
+static inline __attribute__((always_inline)) void zx_prefetch_adam(const zx_optim_tensor *t, int64_t i,
+								   int n)
+{
+	zx_prefetch_ahead(t->grad, i, t->numel, n);
+	zx_prefetch_ahead(t->exp_avg, i, t->numel, n);
+	zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, n);
+	zx_prefetch_ahead(t->param, i, t->numel, n);
+}
 #endif /* ZX_HAVE_X86 */
 
 #endif /* ZX_CPU_OPTIM_H */

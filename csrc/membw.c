@@ -1,7 +1,9 @@
 /* membw.c - the memory-bandwidth floor kernel (see membw.h). Owns nothing else: it reuses the
  * optimizers' driver (cpu_optim.c) so that tiles, threads and stores (non-temporal for the 2-byte
  * copy of large calls, as theirs) match the kernels measured against it, and does one add per
- * array so that the loop stays bound by memory, not arithmetic.
+ * array so that the loop stays bound by memory, not arithmetic. It prefetches as the Adam kernels
+ * do (1-7 % faster than without: a floor must be the fastest trivial loop; blocks of loads as in
+ * the AVX2 Adam loop made it slower).
  */
 #include <errno.h>
 
@@ -22,17 +24,6 @@ static void membw_span_scalar(const void *ctx, const zx_optim_tensor *t, int64_t
 }
 
 #if ZX_HAVE_X86
-/* The line 2 KiB ahead of each array, as the Adam kernels prefetch (see cpu_optim.h): with it this
- * loop moves 1-7 % more than without on this machine, and a floor must be the fastest trivial loop.
- * (Blocks of loads as in cpu_adam.c made this loop slower, not faster.) */
-static inline __attribute__((always_inline)) void membw_prefetch(const zx_optim_tensor *t, int64_t i)
-{
-	zx_prefetch_ahead(t->grad, i, t->numel, 16);
-	zx_prefetch_ahead(t->exp_avg, i, t->numel, 16);
-	zx_prefetch_ahead(t->exp_avg_sq, i, t->numel, 16);
-	zx_prefetch_ahead(t->param, i, t->numel, 16);
-}
-
 ZX_TARGET_AVX2 static inline void membw8(const zx_optim_tensor *t, int64_t i, uint16_t *o, int stream)
 {
 	__m256 g = _mm256_loadu_ps(t->grad + i);
@@ -54,7 +45,7 @@ ZX_TARGET_AVX2 static void membw_span_avx2(const void *ctx, const zx_optim_tenso
 	const int stream = zx_stream_span(*(const int *)ctx, o, b, 16);
 	int64_t i = b;
 	for (; i + 16 <= e; i += 16) { /* a line of each array per iteration */
-		membw_prefetch(t, i);
+		zx_prefetch_adam(t, i, 16);
 		membw8(t, i, o, stream);
 		membw8(t, i + 8, o, stream);
 	}
@@ -72,7 +63,7 @@ ZX_TARGET_AVX512 static void membw_span_avx512(const void *ctx, const zx_optim_t
 	const int stream = zx_stream_span(*(const int *)ctx, o, b, 32);
 	for (int64_t i = b; i < e; i += 16) {
 		__mmask16 k = e - i >= 16 ? (__mmask16)0xffff : zx_tail_mask16(e - i);
-		membw_prefetch(t, i);
+		zx_prefetch_adam(t, i, 16);
 		__m512 g = _mm512_maskz_loadu_ps(k, t->grad + i);
 		__m512 p = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t->param + i), g);
 		__m512 m = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t->exp_avg + i), g);
