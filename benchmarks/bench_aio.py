@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from zero_ext.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
+from zero_ext.nvme.aio import AsyncIO, SwapFile, aligned_empty  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 

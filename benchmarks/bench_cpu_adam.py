@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zero_ext.host_buffers import host_empty  # noqa: E402
+from zero_ext.offload.host_buffers import host_empty  # noqa: E402
 from zero_ext.ops import functional as F  # noqa: E402
 from zero_ext.ops.adam import CPUAdam  # noqa: E402
 

@@ -30,8 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from zero_ext.aio import aligned_empty  # noqa: E402
-from zero_ext.nvme_states import NVMeStateStore  # noqa: E402
+from zero_ext.nvme.aio import aligned_empty  # noqa: E402
+from zero_ext.nvme.store import NVMeStateStore  # noqa: E402
 from zero_ext.ops.adam import CPUAdam  # noqa: E402
 
 

@@ -21,8 +21,11 @@ import weakref
 import pytest
 import torch
 
-from zero_ext import _C, aio
-from zero_ext.aio import ALIGN, AioError, AsyncIO, NVMeSwapper, SwapDir, aligned_empty, check_nvme_path
+from zero_ext import _C
+from zero_ext.nvme import aio
+from zero_ext.nvme.aio import ALIGN, AioError, AsyncIO, aligned_empty
+from zero_ext.nvme.swap_dir import SwapDir, check_nvme_path
+from zero_ext.nvme.swapper import NVMeSwapper
 
 URING_ERRNO = _C.aio_uring_probe()
 URING_SKIP = f"io_uring refused by this kernel: {os.strerror(URING_ERRNO)}" if URING_ERRNO else ""
@@ -592,7 +595,9 @@ def test_swapper_round_trip_and_what_it_refuses(backend, tmp_path):
 
 _LEFTOVER_SCRIPT = r"""
 import os, sys, torch
-from zero_ext.aio import SwapDir, NVMeSwapper, aligned_empty
+from zero_ext.nvme.aio import aligned_empty
+from zero_ext.nvme.swap_dir import SwapDir
+from zero_ext.nvme.swapper import NVMeSwapper
 root = sys.argv[1]
 clean = NVMeSwapper(root, {"queue_depth": 2})
 clean.swap_out("x", aligned_empty(10000).fill_(1)).wait()
@@ -628,7 +633,7 @@ def test_swap_dirs_go_at_clean_exit_and_leftovers_are_never_read(tmp_path, caplo
 
 
 def _reap_forever(root, stop_at):
-    from zero_ext.aio import _reap_leftovers
+    from zero_ext.nvme.swap_dir import _reap_leftovers
 
     while time.time() < stop_at:
         _reap_leftovers(root)
@@ -640,7 +645,7 @@ def test_a_reaper_in_another_process_never_takes_a_live_swap_dir(tmp_path):
     instant between its creation and its lock (seen once in CI as 'cannot create swap file')."""
     import multiprocessing
 
-    from zero_ext.aio import SwapDir
+    from zero_ext.nvme.swap_dir import SwapDir
 
     ctx = multiprocessing.get_context("fork")
     stop_at = time.time() + 3.0
@@ -754,7 +759,7 @@ def test_registration_refused_past_memlock_runs_unregistered_and_says_why(tmp_pa
     call says so once, and the I/O still moves the right bytes."""
     code = (
         "import torch\n"
-        "from zero_ext.aio import AsyncIO, SwapFile, aligned_empty\n"
+        "from zero_ext.nvme.aio import AsyncIO, SwapFile, aligned_empty\n"
         "h = AsyncIO(block_size=65536, backend='uring')\n"
         "pool = aligned_empty(4 << 20); pool.random_(0, 256)\n"
         "assert h.register_buffers([pool]) is False\n"

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import zero_ext
-from zero_ext import _C, _cuda
-from zero_ext.dtypes import raw_buffer, zx_dtype
+from zero_ext import _C
+from zero_ext._native import cuda as _cuda
+from zero_ext._native.dtypes import raw_buffer, zx_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -180,7 +180,7 @@ def test_resharding_keeps_parameters_and_optimizer_state(tmp_path, saved, loaded
 
 
 def _save_two_tags_dying_in_the_second(tmp):
-    import zero_ext.checkpoint as ck
+    import zero_ext.checkpoint.engine_state as ck
 
     engine = _engine(2, "fp32")
     _train(engine, 1, "mlp", "fp32")
@@ -334,7 +334,7 @@ def _frozen_from_module(tmp):
 
 def test_zero_to_fp32_takes_frozen_parameters_from_the_module(tmp_path):
     frozen = run_ranks(2, _frozen_from_module, str(tmp_path))[0]
-    out = subprocess.run([sys.executable, "-m", "zero_ext.zero_to_fp32", str(tmp_path), str(tmp_path / "o")],
+    out = subprocess.run([sys.executable, "-m", "zero_ext.checkpoint.zero_to_fp32", str(tmp_path), str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     sd = torch.load(tmp_path / "o" / "pytorch_model.bin", weights_only=True)

@@ -644,7 +644,7 @@ def test_large_state_on_huge_pages_saves_loads_and_steps_the_same():
     small state."""
     import io
 
-    from zero_ext.host_buffers import COLOUR_BYTES, COLOURS
+    from zero_ext.offload.host_buffers import COLOUR_BYTES, COLOURS
 
     def on_huge_pages_coloured(state):
         starts = [state[k].data_ptr() for k in ("exp_avg", "exp_avg_sq")]

@@ -149,7 +149,7 @@ def test_fp16_matches_the_reference_and_skips_overflows_on_every_rank(case):
 
 
 def test_dynamic_scaler_rules():
-    from zero_ext.loss_scaler import DynamicLossScaler, LossScaleFloorError
+    from zero_ext.optim.loss_scaler import DynamicLossScaler, LossScaleFloorError
 
     s = DynamicLossScaler(init_scale=8, scale_window=2, min_scale=2, hysteresis=2)
     seen = []
@@ -165,7 +165,7 @@ def test_dynamic_scaler_rules():
 
 
 def test_scaler_at_the_floor_raises_deepspeeds_error():
-    from zero_ext.loss_scaler import DynamicLossScaler, LossScaleFloorError
+    from zero_ext.optim.loss_scaler import DynamicLossScaler, LossScaleFloorError
 
     s = DynamicLossScaler(init_scale=2, scale_window=100, min_scale=1, hysteresis=1)
     s.update(True)

@@ -14,8 +14,8 @@ pytestmark = pytest.mark.gpu
 
 
 def test_cast_kernel_matches_torch_bit_for_bit():
-    from zero_ext import _cuda
-    from zero_ext.dtypes import zx_dtype
+    from zero_ext._native import cuda as _cuda
+    from zero_ext._native.dtypes import zx_dtype
 
     lib = _cuda.library()
     special = torch.tensor([0.0, -0.0, 1e-40, -1e-45, 3.4e38, float("inf"), float("-inf"), float("nan"),
@@ -33,8 +33,8 @@ def test_cast_kernel_matches_torch_bit_for_bit():
 
 
 def test_nccl_single_rank_communicator_all_reduce():
-    from zero_ext import _cuda
-    from zero_ext.dtypes import zx_dtype
+    from zero_ext._native import cuda as _cuda
+    from zero_ext._native.dtypes import zx_dtype
 
     lib = _cuda.library()
     uid = ctypes.create_string_buffer(_cuda.NCCL_ID_BYTES)

@@ -12,9 +12,10 @@ import os
 import pytest
 import torch
 
-from zero_ext import _C, nvme_states
-from zero_ext.aio import AioError
-from zero_ext.nvme_states import NVMeStateStore, SwapState
+from zero_ext import _C
+from zero_ext.nvme import store as nvme_states
+from zero_ext.nvme.aio import AioError
+from zero_ext.nvme.store import NVMeStateStore, SwapState
 
 from test_aio import in_child, mount, mounts  # noqa: F401 - the fixture is used by name
 
@@ -110,7 +111,7 @@ def test_sizes_and_pool_is_allocated_once(store):
 def test_pool_registration_follows_resizing_and_destroy(tmp_path, backend):
     """A pool that grows is unregistered before it is freed and the new one registered; destroy
     unregisters it from an AsyncIO the store was given (and does not own)."""
-    from zero_ext.aio import AsyncIO
+    from zero_ext.nvme.aio import AsyncIO
 
     with AsyncIO(**AIO) as aio:
         s = NVMeStateStore(tmp_path, buffer_count=2, aio=aio)

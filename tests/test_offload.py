@@ -178,7 +178,7 @@ def test_ratio_splits_sub_groups_and_equals_full_offload_bit_for_bit():
 
 def test_host_subgroups_takes_the_leading_share():
     from zero_ext.config import load_config
-    from zero_ext.offload import OffloadPlan
+    from zero_ext.offload.plan import OffloadPlan
 
     def plan(ratio):
         cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {

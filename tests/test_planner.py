@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import partition_ref as ref
-from zero_ext import planner
+from zero_ext._native import planner
 
 settings.register_profile("zero_ext", max_examples=300, deadline=None)
 settings.load_profile("zero_ext")

@@ -1,4 +1,4 @@
-"""zero_ext.schedulers: each DeepSpeed scheduler against its formula (written out here, apart
+"""zero_ext.optim.schedulers: each DeepSpeed scheduler against its formula (written out here, apart
 from the implementation) over a run, resume from state_dict, per-group values, non-torch
 optimizers, and build_scheduler from a loaded config."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zero_ext.config import ConfigError, load_config
-from zero_ext.schedulers import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
+from zero_ext.optim.schedulers import (LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR,
                                  build_scheduler, configure_lr_scheduler)
 
 STEPS = 150

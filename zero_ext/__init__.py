@@ -9,7 +9,7 @@
 from .comm import add_config_arguments, init_distributed
 from .engine import ZeroEngine
 from .initialize import initialize
-from .offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
+from .offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
 from . import utils  # noqa: F401  (zero_ext.utils.safe_get_full_grad, ... as deepspeed.utils)
 from . import zero  # noqa: F401  (zero_ext.zero.Init, GatheredParameters, ... as deepspeed.zero)
 

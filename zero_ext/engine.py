@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .flat_group import FlatGroup
-from .grad_reduce import Averaging, BoundaryReducer, BucketReducer
-from .loss_scaler import scaler_from_config
-from .memory import MemoryAccount
-from .offload import OffloadPlan
-from .zero_optimizer import ZeroOptimizer
+from .optim.flat_group import FlatGroup
+from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
+from .optim.loss_scaler import scaler_from_config
+from .offload.memory import MemoryAccount
+from .offload.plan import OffloadPlan
+from .optim.zero_optimizer import ZeroOptimizer
 
 logger = logging.getLogger("zero_ext.engine")
 
@@ -102,7 +102,7 @@ class ZeroEngine(torch.nn.Module):
         return Averaging(self.world_size, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
 
     def _build_stage3_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
-        from .stage3 import ShardReducer, build_shard_groups
+        from .optim.shard_groups import ShardReducer, build_shard_groups
 
         cfg, zc = self._config, self._config.zero_optimization
         on_group = self._register_piece_group if self.nvme_pieces is not None else None
@@ -119,8 +119,8 @@ class ZeroEngine(torch.nn.Module):
     def _attach_nvme(self) -> None:
         """offload_optimizer.device = "nvme": masters and optimizer state go to swap files under nvme_path,
         one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
-        from .aio import check_nvme_path
-        from .nvme_states import NVMeStateStore
+        from .nvme.swap_dir import check_nvme_path
+        from .nvme.store import NVMeStateStore
 
         oc = self._config.zero_optimization.offload_optimizer
         # before any training: the directory works and has room for this rank's files (plus the padding
@@ -141,10 +141,10 @@ class ZeroEngine(torch.nn.Module):
         one file per optimizer sub-group's piece buffer, written as the sub-group is made, and one per other
         piece (frozen parameters, every piece of a forward-only engine) — and are read through buffer_count
         host buffers when used. Pieces zero.Init(remote_device="nvme") already wrote stay in its files."""
-        from .aio import check_nvme_path
+        from .nvme.swap_dir import check_nvme_path
         from .config import ConfigError
-        from .nvme_params import NVMePieces
-        from .nvme_states import NVMeStateStore
+        from .nvme.pieces import NVMePieces
+        from .nvme.store import NVMeStateStore
         from .zero.param import zero_param_of
 
         pc = self._config.zero_optimization.offload_param
@@ -403,7 +403,7 @@ class ZeroEngine(torch.nn.Module):
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
-        from .offload_states import offloaded_tensors
+        from .offload.states import offloaded_tensors
 
         account = MemoryAccount(self.device, host=offloaded_tensors(self) + self._host_placed())
         for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
@@ -452,7 +452,7 @@ class ZeroEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective: every rank writes its shard; see docs/checkpoints.md."""
-        from .checkpoint import save_checkpoint
+        from .checkpoint.engine_state import save_checkpoint
 
         with self._state_in_memory(modified=False):
             return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
@@ -461,7 +461,7 @@ class ZeroEngine(torch.nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
         """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
-        from .checkpoint import load_checkpoint
+        from .checkpoint.engine_state import load_checkpoint
 
         with self._state_in_memory(modified=True):
             return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
@@ -485,8 +485,8 @@ class ZeroEngine(torch.nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective; rank 0 writes the weights (safetensors when the file name ends so)."""
-        from .checkpoint import check_all_ranks_call
-        from .checkpoint_io import atomic_torch_save
+        from .checkpoint.engine_state import check_all_ranks_call
+        from .checkpoint.files import atomic_torch_save
 
         self._collective_seq += 1
         check_all_ranks_call("save_16bit_model", self._collective_seq)
@@ -519,13 +519,13 @@ class ZeroEngine(torch.nn.Module):
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Moves the chosen kinds of state (OffloadStateTypeEnum; default all) to host memory."""
-        from .offload_states import offload_states
+        from .offload.states import offload_states
 
         offload_states(self, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every offloaded state back to the compute device, bit for bit."""
-        from .offload_states import reload_states
+        from .offload.states import reload_states
 
         reload_states(self, non_blocking)
 

@@ -9,9 +9,10 @@ import torch.distributed as dist
 from . import comm
 from .config import ConfigError, load_config, reject_unimplemented
 from .engine import ZeroEngine
-from .offload import OffloadPlan, build_offload_optimizer, check_client_optimizer, is_cpu_optimizer
-from .optimizers import build_optimizer
-from .schedulers import configure_lr_scheduler
+from .offload.plan import OffloadPlan
+from .optim.factory import build_offload_optimizer, check_client_optimizer, is_cpu_optimizer
+from .optim.factory import build_optimizer
+from .optim.schedulers import configure_lr_scheduler
 
 logger = logging.getLogger("zero_ext")
 

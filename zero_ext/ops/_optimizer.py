@@ -13,8 +13,8 @@ from itertools import chain
 
 import torch
 
-from ..host_buffers import host_empty
-from ._tensors import DTYPE_CODE
+from ..offload.host_buffers import host_empty
+from .._native.dtypes import kernel_dtype
 from .functional import _sync_threads
 
 _F32 = torch.float32
@@ -104,7 +104,7 @@ class _Batch:
         return out.data_ptr()
 
     def out_code(self):
-        return DTYPE_CODE[self.out_dtype or torch.bfloat16]
+        return kernel_dtype(self.out_dtype or torch.bfloat16)
 
     def outs_arg(self):
         return self.outs if self.out_dtype is not None else None

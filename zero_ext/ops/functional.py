@@ -17,7 +17,7 @@ one (tests and benchmarks); asking for one this CPU lacks raises ValueError.
 import torch
 
 from .. import _C
-from ._tensors import cpu_ptr, dtype_code
+from .._native.dtypes import cpu_ptr, kernel_dtype
 
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2}
 
@@ -77,17 +77,17 @@ def _ptrs(tensors, name, numels):
 def _outs(outs, numels):
     """(pointers or None, dtype code) of the optional bf16/fp16 copies."""
     if outs is None:
-        return None, dtype_code(torch.bfloat16)
+        return None, kernel_dtype(torch.bfloat16)
     if len(outs) != len(numels):
         raise ValueError(f"outs has {len(outs)} entries for {len(numels)} tensors")
     dtypes = {o.dtype for o in outs if o is not None}
     if not dtypes:
-        return None, dtype_code(torch.bfloat16)
+        return None, kernel_dtype(torch.bfloat16)
     if len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float16}:
         raise TypeError(f"outs must all be bfloat16 or all float16, got {sorted(map(str, dtypes))}")
     dtype = dtypes.pop()
     ptrs = [0 if o is None else cpu_ptr(o, f"outs[{i}]", dtype, n) for i, (o, n) in enumerate(zip(outs, numels))]
-    return ptrs, dtype_code(dtype)
+    return ptrs, kernel_dtype(dtype)
 
 
 def _lists(params, *others):
@@ -148,7 +148,7 @@ def grad_sqnorm(grad, out=None, isa=None):
     src = cpu_ptr(grad, "grad", grad.dtype)
     dst = 0 if out is None else cpu_ptr(out, "out", torch.float32, n)
     _sync_threads()
-    return _C.grad_sqnorm(dst, src, dtype_code(grad.dtype), n, isa_code(isa))
+    return _C.grad_sqnorm(dst, src, kernel_dtype(grad.dtype), n, isa_code(isa))
 
 
 def cast_(dst, src, isa=None):
@@ -159,7 +159,7 @@ def cast_(dst, src, isa=None):
         raise TypeError(f"cast_ writes bfloat16 or float16, not {dst.dtype}")
     dp = cpu_ptr(dst, "dst", dst.dtype, n)
     _sync_threads()
-    _C.cast_f32(dp, dtype_code(dst.dtype), sp, n, isa_code(isa))
+    _C.cast_f32(dp, kernel_dtype(dst.dtype), sp, n, isa_code(isa))
     return dst
 
 

@@ -1,3 +1,10 @@
-"""``zero_ext.utils.zero_to_fp32``: the offline converter, under DeepSpeed's import path."""
-from ..zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,  # noqa: F401
-                            get_fp32_state_dict_from_zero_checkpoint, load_state_dict_from_zero_checkpoint, main)
+"""``zero_ext.utils.zero_to_fp32``: DeepSpeed's import path of the offline converter, whose code is
+zero_ext/checkpoint/zero_to_fp32.py (``python -m zero_ext.utils.zero_to_fp32`` runs it too)."""
+import sys
+
+from ..checkpoint.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,  # noqa: F401
+                                       get_fp32_state_dict_from_zero_checkpoint,
+                                       load_state_dict_from_zero_checkpoint, main)
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import planner
+from .._native import planner
 
 _LIST_ALLGATHER = False  # set when the backend refused all_gather_into_tensor once
 

@@ -10,7 +10,7 @@ from typing import Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import planner
+from .._native import planner
 from . import collectives, internal
 from .fetch import FetchSite, check_agreement
 from .param import ZeroParam, is_zero_param, next_ds_id, peek_ds_id

@@ -175,9 +175,9 @@ class _InitSwap:
 
     def pieces(self):
         if self._pieces is None:
-            from ..aio import check_nvme_path
-            from ..nvme_params import NVMePieces
-            from ..nvme_states import NVMeStateStore
+            from ..nvme.swap_dir import check_nvme_path
+            from ..nvme.pieces import NVMePieces
+            from ..nvme.store import NVMeStateStore
 
             check_nvme_path(self.section.nvme_path)
             store = NVMeStateStore(self.section.nvme_path, self.section.buffer_count, aio=self.aio,

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .. import planner
+from .._native import planner
 from .status import ZeroParamStatus
 
 #: ds_id of the next parameter converted in this process (DeepSpeed numbers parameters in construction

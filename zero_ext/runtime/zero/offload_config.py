@@ -1,2 +1,2 @@
 """``deepspeed.runtime.zero.offload_config`` names."""
-from ...offload_states import OffloadDeviceEnum, OffloadStateTypeEnum  # noqa: F401
+from ...offload.states import OffloadDeviceEnum, OffloadStateTypeEnum  # noqa: F401

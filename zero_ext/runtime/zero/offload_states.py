@@ -1,2 +1,2 @@
 """``deepspeed.runtime.zero.offload_states`` names."""
-from ...offload_states import get_state_devices  # noqa: F401
+from ...offload.states import get_state_devices  # noqa: F401

@@ -20,7 +20,7 @@ from typing import Dict, Hashable, List, Tuple
 
 import torch
 
-from .nvme_states import NVMeStateStore
+from .store import NVMeStateStore
 
 
 class NVMePieces:

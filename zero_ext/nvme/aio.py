@@ -1,4 +1,4 @@
-"""zero_ext.aio: asynchronous swapping of CPU tensors to files on NVMe, over ``_C.AioHandle``.
+"""zero_ext.nvme.aio: asynchronous swapping of CPU tensors to files on NVMe, over ``_C.AioHandle``.
 
     aio = AsyncIO(block_size=1 << 20, queue_depth=32)      # or AsyncIO.from_config(config.aio)
     buf = aligned_empty(n, torch.float32)                  # page-aligned: O_DIRECT needs it
@@ -13,12 +13,9 @@ Layers, bottom up:
   settings. Reads and writes byte ranges of files; checks buffers (CPU, contiguous, page-aligned for
   O_DIRECT); turns a failed request into an :class:`AioError` that names the file, offset, size and
   errno text. Also answers DeepSpeed's ``aio_handle`` calls (``async_pwrite``, ``wait``, ...).
-- ``SwapDir``: a per-run directory under ``nvme_path`` (mode 0700, files 0600), removed at clean
-  exit and by ``destroy()``; directories left by crashed runs are never read, and are removed once
-  their owner is gone (see [Note: swap directories]).
-- ``NVMeSwapper``: whole tensors swapped by name into a ``SwapDir``; only what this run wrote can be
-  read back, and only into a tensor of the size written.
-- ``check_nvme_path``: what the engine calls at initialize, before any training step.
+- ``SwapDir`` and ``check_nvme_path`` (swap_dir.py): the per-run directory under ``nvme_path``, and
+  the check the engine makes at initialize, before any training step.
+- ``NVMeSwapper`` (swapper.py): whole tensors swapped by name into a ``SwapDir``.
 
 [Note: files without O_DIRECT] Files are opened with O_DIRECT (the page cache would hold a second
 copy of every swapped byte). A file system that refuses it (ramfs, tmpfs before Linux 6.6, some
@@ -29,26 +26,20 @@ tail zero-filled), so a file written one way reads back the other.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
-import shutil
-import socket
-import tempfile
-import time
 import weakref
 from typing import Dict, Optional, Union
 
 import torch
 
-from . import _C
-from .host_buffers import ALIGN, HUGE_PAGE, aligned_empty, host_empty, is_aligned  # noqa: F401 (the API)
+from .. import _C
+from ..offload.host_buffers import ALIGN, HUGE_PAGE, aligned_empty, host_empty, is_aligned  # noqa: F401 (the API)
 
 logger = logging.getLogger("zero_ext.aio")
 
 BACKENDS = ("uring", "threads")
 ENV = "ZERO_EXT_AIO"
-SWAP_DIR_PREFIX = "zero_ext_swap-"
 
 PathLike = Union[str, os.PathLike]
 
@@ -161,7 +152,7 @@ class SwapFile:
         return f"SwapFile({self.path!r}, direct={self.direct}{', closed' if self.closed else ''})"
 
 
-def _free_bytes(path: str) -> Optional[int]:
+def free_bytes(path: str) -> Optional[int]:
     """Bytes free for this user on path's file system; None when unknown (a file system without a size
     limit, such as ramfs, reports 0 blocks in all and 0 free)."""
     try:
@@ -189,7 +180,7 @@ def _op_error(kind: str, path: str, offset: int, nbytes: int, res) -> AioError:
                         f"{offset + nbytes} needed; it is not the file this data was written to",
                         path)
     if kind == "write" and (err in (errno.ENOSPC, errno.EDQUOT) or short):
-        free = _free_bytes(path)
+        free = free_bytes(path)
         need = round_up(nbytes)
         if err != errno.EDQUOT and (err == errno.ENOSPC or (free is not None and free < need)):
             err = errno.ENOSPC
@@ -268,10 +259,10 @@ class AsyncIO:
         (aliases such as ``thread_count`` and "auto" values accepted), or None for the defaults."""
         from pydantic import ValidationError
 
-        from .config.aio import AioConfig
-        from .config.errors import ConfigError
-        from .config.keys import Report, walk
-        from .config.messages import problems_from_errors
+        from ..config.aio import AioConfig
+        from ..config.errors import ConfigError
+        from ..config.keys import Report, walk
+        from ..config.messages import problems_from_errors
 
         if config is None or isinstance(config, dict):
             report = Report()
@@ -500,251 +491,3 @@ class AsyncIO:
 
     def free_cpu_locked_tensor(self, tensor: torch.Tensor) -> bool:
         return True  # freed with its last reference
-
-
-# ---------------------------------------------------------------------------------------------------
-# nvme_path and swap directories
-
-def check_nvme_path(path: Optional[PathLike], need_bytes: int = 0) -> dict:
-    """Checks, before any training, that ``path`` is a directory where swap files can be created,
-    written, read back and removed, and that it has ``need_bytes`` free. Raises AioError (an OSError)
-    naming the path and what to do; returns {"path", "direct" (O_DIRECT works), "free_bytes"}."""
-    if path is None or os.fspath(path) == "":
-        raise ValueError("nvme_path is not set: offload_param/offload_optimizer.nvme_path must name "
-                         "a directory on a local NVMe drive")
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
-        raise AioError(errno.ENOENT, f"nvme_path {path} does not exist: create it (on a local NVMe "
-                       "drive) or fix nvme_path in the config", path)
-    if not os.path.isdir(path):
-        raise AioError(errno.ENOTDIR, f"nvme_path {path} is not a directory", path)
-    probe = os.path.join(path, f".zero_ext_probe-{socket.gethostname()}-{os.getpid()}")
-    try:
-        with SwapFile(probe, create=True) as f:
-            os.unlink(probe)
-            page = aligned_empty(ALIGN)
-            page.fill_(0x5A)
-            back = aligned_empty(ALIGN)
-            for data, kind, call in ((page, "write", os.pwritev), (back, "read", os.preadv)):
-                mv = memoryview(data.numpy())
-                try:
-                    done = call(f.fd, [mv], 0)
-                except OSError as exc:
-                    raise AioError(exc.errno, f"nvme_path {path}: a test {kind} of {ALIGN} bytes "
-                                   f"failed: {exc.strerror}", path) from None
-                if done != ALIGN:
-                    raise AioError(errno.EIO, f"nvme_path {path}: a test {kind} of {ALIGN} bytes "
-                                   f"moved {done}", path)
-            if not torch.equal(page, back):
-                raise AioError(errno.EIO, f"nvme_path {path}: a page written and read back differs", path)
-            direct = f.direct
-    except AioError as exc:
-        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise AioError(exc.errno, f"nvme_path {path} is not writable ({exc.strerror}): give "
-                           "this user write access or choose another directory", path) from None
-        raise
-    finally:
-        if os.path.exists(probe):
-            os.unlink(probe)
-    free = _free_bytes(path)
-    if need_bytes and free is not None and free < need_bytes:
-        raise AioError(errno.ENOSPC, f"nvme_path {path}: {need_bytes} bytes needed for swap files, "
-                       f"{free} bytes free: free space or choose a larger drive", path)
-    return {"path": path, "direct": direct, "free_bytes": free}
-
-
-# [Note: swap directories] Each run (each process) swaps into its own directory, made by mkdtemp
-# under nvme_path: "zero_ext_swap-<host>-<pid>-<random>", mode 0700, holding a `.lock` file that the
-# process keeps flock()ed while it lives. Nothing is ever read from a directory this process did
-# not make, so a leftover from a crashed run can never pass for valid state. Its disk space is
-# reclaimed by the next run on the same file system: a directory whose lock can be taken has no
-# living owner (the kernel drops flock locks when a process dies, in any container), and is
-# removed with a warning. A directory without a lock file is left alone for 10 minutes (its owner
-# may be between mkdtemp and the lock).
-
-def _remove_tree(path: str, lock_fd: Optional[int] = None) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    if lock_fd is not None:
-        os.close(lock_fd)
-
-
-def _reap_leftovers(root: str) -> None:
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(SWAP_DIR_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            try:
-                if time.time() - os.stat(path).st_mtime > 600:
-                    logger.warning("removing swap directory %s (no lock file: left by a crashed run)", path)
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)  # a living run owns it
-            continue
-        logger.warning("removing swap directory %s left by a run that ended without cleaning up", path)
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(fd)
-
-
-class SwapDir:
-    """This run's directory under nvme_path; removed by destroy(), at clean exit, or when dropped."""
-
-    def __init__(self, nvme_path: PathLike, *, check: bool = True, need_bytes: int = 0):
-        root = os.path.abspath(os.fspath(nvme_path))
-        self.direct = check_nvme_path(root, need_bytes)["direct"] if check else None
-        _reap_leftovers(root)
-        prefix = f"{SWAP_DIR_PREFIX}{socket.gethostname()}-{os.getpid()}-"
-        try:
-            self.path = tempfile.mkdtemp(prefix=prefix, dir=root)  # mode 0700
-            # the lock file appears already locked (made under another name, locked, renamed): another
-            # process's _reap_leftovers must never find it unlocked and take this live directory for dead
-            pending = os.path.join(self.path, ".lock.new")
-            lock = os.open(pending, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            os.rename(pending, os.path.join(self.path, ".lock"))
-        except OSError as exc:
-            raise AioError(exc.errno, f"cannot create a swap directory in {root}: {exc.strerror}",
-                           root) from None
-        self._finalizer = weakref.finalize(self, _remove_tree, self.path, lock)
-
-    def file(self, name: str) -> str:
-        """The path of swap file ``name`` (a plain file name) in this directory."""
-        if not name or os.sep in name or name.startswith("."):
-            raise ValueError(f"swap file name {name!r} must be a plain file name")
-        return os.path.join(self.path, name)
-
-    @property
-    def alive(self) -> bool:
-        return self._finalizer.alive
-
-    def destroy(self) -> None:
-        """Removes the directory and every swap file in it (idempotent)."""
-        self._finalizer()
-
-    def __repr__(self):
-        return f"SwapDir({self.path!r}{'' if self.alive else ', destroyed'})"
-
-
-class NVMeSwapper:
-    """Whole CPU tensors swapped by name to files of a per-run SwapDir.
-
-    ``swap_out(name, t)`` and ``swap_in(name, t)`` return requests (``.wait()``); ``wait()`` waits
-    for all. A name can be read back only after this run wrote it, into a tensor of the same
-    size, and only if that write succeeded. Space is reserved (fallocate) when a file is created
-    or grows, so a full drive fails there, at once, with the bytes needed and free."""
-
-    def __init__(self, nvme_path: PathLike, aio: Union[AsyncIO, dict, None, object] = None):
-        self.dir = SwapDir(nvme_path)
-        self._own_aio = not isinstance(aio, AsyncIO)
-        self.aio = AsyncIO.from_config(aio) if self._own_aio else aio
-        self._files: Dict[str, SwapFile] = {}
-        self._written: Dict[str, tuple] = {}  # name -> (nbytes, the write's request)
-
-    def _file(self, name: str) -> SwapFile:
-        f = self._files.get(name)
-        if f is None:
-            f = self._files[name] = SwapFile(self.dir.file(name), create=True)
-        return f
-
-    def _reserve(self, f: SwapFile, nbytes: int) -> None:
-        need = round_up(nbytes)
-        size = f.size()
-        if size == need:
-            return
-        try:
-            if size > need:
-                os.ftruncate(f.fd, need)
-            else:
-                os.posix_fallocate(f.fd, 0, need)
-        except OSError as exc:
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL) and size < need:
-                return  # no fallocate here: the write itself reports a full drive
-            free = _free_bytes(f.path)
-            raise AioError(exc.errno, f"cannot reserve {need} bytes for {f.path}: {exc.strerror} "
-                           f"({need - size} bytes needed, {free} bytes free on its file system); "
-                           "free space under nvme_path or point it to a larger drive", f.path) from None
-
-    def swap_out(self, name: str, tensor: torch.Tensor) -> AioRequest:
-        """Starts writing ``tensor`` to swap file ``name``. Keep it unchanged until waited."""
-        f = self._file(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        prior = self._written.pop(name, None)
-        if prior is not None and not prior[1].finished:
-            prior[1].wait()  # never two writes of one file in flight
-        self._reserve(f, nbytes)
-        req = self.aio.submit_write(tensor, f)
-        self._written[name] = (nbytes, req)
-        return req
-
-    def swap_in(self, name: str, tensor: torch.Tensor) -> AioRequest:
-        """Starts reading swap file ``name`` back into ``tensor`` (of the size written)."""
-        if name not in self._written:
-            raise KeyError(f"no tensor named {name!r} was swapped out by this run "
-                           f"(swap files of {self.dir.path})")
-        nbytes, write = self._written[name]
-        if not write.finished:
-            write.wait()
-        if write.error is not None:
-            raise AioError(write.error.errno, f"swap file {name!r} holds no valid data: its write "
-                           f"failed ({write.error.strerror})", write.path)
-        want = tensor.numel() * tensor.element_size()
-        if want != nbytes:
-            raise ValueError(f"swap_in({name!r}) into a tensor of {want} bytes; {nbytes} were "
-                             "swapped out")
-        f = self._files[name]
-        size = f.size()
-        if size != round_up(nbytes):
-            raise AioError(errno.EIO, f"swap file {f.path} is {size} bytes; {round_up(nbytes)} "
-                           f"expected for the {nbytes} bytes swapped out: it was changed outside "
-                           "zero_ext", f.path)
-        return self.aio.submit_read(tensor, f)
-
-    def wait(self, request: Optional[AioRequest] = None) -> int:
-        return self.aio.wait(request)
-
-    def remove(self, name: str) -> None:
-        """Forgets swap file ``name`` and deletes it (after its write, if any, finished)."""
-        entry = self._written.pop(name, None)
-        if entry is not None and not entry[1].finished:
-            try:
-                entry[1].wait()
-            except AioError:
-                pass
-        f = self._files.pop(name, None)
-        if f is not None:
-            f.close()
-            os.unlink(f.path)
-
-    def destroy(self) -> None:
-        """Closes the AsyncIO if this swapper made it, and removes the swap directory."""
-        if self._own_aio:
-            self.aio.close()
-        else:
-            for _, req in list(self._written.values()):
-                if not req.finished:
-                    try:
-                        req.wait()
-                    except AioError:
-                        pass
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-        self._written.clear()
-        self.dir.destroy()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.destroy()

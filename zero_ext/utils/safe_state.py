@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from .collective_check import check_all_ranks_call, debug_enabled
+from ..comm.collective_check import check_all_ranks_call, debug_enabled
 
 
 _FULL_CALLS = itertools.count(1)  # this process's full-form calls, matched across ranks in debug mode

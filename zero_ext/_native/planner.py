@@ -6,7 +6,7 @@ DeepSpeed's shapes (see docs/design.md, "Layouts"). All sizes are element counts
 """
 from typing import List, NamedTuple, Optional, Sequence, Tuple
 
-from . import _C
+from .. import _C
 
 # DeepSpeed pads stage 1/2 flat buffers to a multiple of 2 * world (nccl_start_alignment_factor): with
 # 2-byte elements every partition then starts on a 4-byte boundary, as NCCL wants.

@@ -19,8 +19,8 @@ from typing import List, Optional
 
 import torch
 
-from . import planner
-from .offload import HostMemory
+from .._native import planner
+from ..offload.plan import HostMemory
 
 
 class FlatGroup:

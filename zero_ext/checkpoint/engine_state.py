@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint_layout as layout_of
-from . import collective_check
-from .checkpoint_io import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes,
-                            read_manifest, verified_load)
+from . import layout as layout_of
+from ..comm import collective_check
+from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, read_manifest,
+                    verified_load)
 from .zero_to_fp32 import param_values, piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
@@ -207,7 +207,7 @@ def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 

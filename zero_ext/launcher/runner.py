@@ -73,6 +73,3 @@ def main(argv: List[str] = None) -> int:
         code = 130
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,10 +17,10 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import planner
+from .._native import planner
 from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
-from .offload import is_cpu_optimizer
+from .factory import is_cpu_optimizer
 
 
 _INTO_TENSOR = [True]  # whether this torch's backend has all_gather_into_tensor
@@ -123,7 +123,7 @@ class ZeroOptimizer:
         """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank.
         Gradient partitions in host memory are summed by the C kernel (every core, fp64 accumulation, one
         pass at memory speed): torch's single-threaded fp32 norm on CPU drifts (-0.8% at 5e7 elements)."""
-        from .ops.functional import grad_sqnorm
+        from ..ops.functional import grad_sqnorm
 
         local = sum(grad_sqnorm(g.grad) for g in self.flat_groups if g.grad.is_cpu)
         sq = torch.tensor(local, dtype=torch.float64, device=self._device())
@@ -255,7 +255,7 @@ class ZeroOptimizer:
         the masters are written from the 16-bit partitions chunk by chunk, never whole in memory.
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
         if not is_cpu_optimizer(self.optimizer):
-            from .config import ConfigError
+            from ..config import ConfigError
 
             raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
                               "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (or pass CPUAdam)")

@@ -4,25 +4,17 @@
   present and ``pin_memory`` asks for it: page-locked memory makes the device copies asynchronous).
 - :class:`OffloadPlan` reads the config: which sub-groups' optimizer step runs on the host
   (``ratio``), whether parameter pieces live on the host.
-- :func:`build_offload_optimizer`: with optimizer offload the engine builds the C optimizer itself
-  (CPUAdam, CPUAdagrad, CPULion), as DeepSpeed does; :func:`check_client_optimizer` is DeepSpeed's
-  rule for a client optimizer with offload (``zero_force_ds_cpu_optimizer``).
 
 On a CPU-only machine "host" and "accelerator" are the same memory, so the offloaded code path runs
 there unchanged (host-to-host copies) — that is what the test suite exercises. The engine tells the
 memory account which tensors it placed on the host, so ``memory_breakdown()`` reports the tiers as
 they would be on a GPU machine.
 """
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
-from .config import ConfigError
 from .host_buffers import host_empty
-
-
-# Optimizers that step host tensors in C (their class names; DeepSpeed's aliases included).
-CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "DeepSpeedCPUAdagrad", "CPULion", "DeepSpeedCPULion")
 
 
 class HostMemory:
@@ -100,46 +92,3 @@ class OffloadPlan:
             else:
                 out.append(False)
         return out
-
-
-def build_offload_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[torch.optim.Optimizer]:
-    """The C optimizer for the config's ``optimizer`` section when the optimizer is offloaded, or
-    None when the section asks for one zero_ext runs with torch (``torch_adam``, other torch.optim
-    classes: they then step the host tensors)."""
-    params = opt_cfg.params_with_defaults()
-    if opt_cfg.is_adam:
-        if params.get("torch_adam"):
-            return None
-        from .ops.adam import CPUAdam
-
-        return CPUAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
-                       betas=tuple(params["betas"]), eps=params["eps"], weight_decay=params["weight_decay"],
-                       adamw_mode=opt_cfg.adam_w_mode, fp32_optimizer_states=params["fp32_optimizer_states"])
-    if opt_cfg.type == "adagrad":
-        from .ops.adagrad import CPUAdagrad
-
-        return CPUAdagrad(param_groups, **params)
-    if opt_cfg.type == "lion":
-        from .ops.lion import CPULion
-
-        return CPULion(param_groups, **params)
-    return None
-
-
-def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: bool) -> None:
-    """DeepSpeed's rule: a client optimizer with optimizer offload must be a CPU optimizer, unless
-    ``zero_force_ds_cpu_optimizer`` is false (the client optimizer then steps host tensors)."""
-    name = type(base).__name__
-    if force_ds_cpu_optimizer and name not in CPU_OPTIMIZERS:
-        raise ConfigError(
-            f"zero_optimization.offload_optimizer is on with a client optimizer ({name}), which would step "
-            "the offloaded fp32 state slowly in host memory. Use zero_ext.ops.adam.CPUAdam (DeepSpeedCPUAdam), "
-            "or give an 'optimizer' section in the config (the engine then builds the C optimizer); to use "
-            'your optimizer anyway, set "zero_force_ds_cpu_optimizer": false.')
-
-
-def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
-    """Whether ``base`` takes grad_scale/fp16_param_groups in step() (the fused offloaded step)."""
-    from .ops._optimizer import CPUOptimizer
-
-    return isinstance(base, CPUOptimizer)

@@ -22,9 +22,9 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from . import planner
+from .._native import planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
-from .planner import Piece
+from .._native.planner import Piece
 
 
 class ShardGroup:

@@ -42,7 +42,8 @@ from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence,
 
 import torch
 
-from .aio import ALIGN, AioError, AioRequest, AsyncIO, NVMeSwapper, PathLike, aligned_empty, round_up
+from .aio import ALIGN, AioError, AioRequest, AsyncIO, PathLike, aligned_empty, round_up
+from .swapper import NVMeSwapper
 
 logger = logging.getLogger("zero_ext.nvme_states")
 

@@ -1,7 +1,7 @@
 """The CUDA library (libzx_cuda.so: NCCL collectives, CUDA kernels), loaded on first use only.
 
 It is a plain C library (csrc/cuda_api.h), not a Python extension, loaded with ctypes: `import zero_ext`
-never touches CUDA or NCCL, and one build serves any Python and torch on the GPU machine. ctypes
+never touches CUDA or NCCL (nothing in the engine calls it yet: the native-collectives issue does), and one build serves any Python and torch on the GPU machine. ctypes
 releases the GIL around every call.
 """
 import ctypes
@@ -10,7 +10,8 @@ import os
 
 from .dtypes import zx_dtype  # noqa: F401  (re-exported for callers passing dtypes)
 
-LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libzx_cuda.so")
+# built beside zero_ext/_C (setup.py), one folder up from here
+LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "libzx_cuda.so")
 NCCL_ID_BYTES = 128
 
 _c_int, _c_size, _vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from . import planner
+from .._native import planner
 from .flat_group import FlatGroup
 
 

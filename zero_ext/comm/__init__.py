@@ -1,0 +1,11 @@
+"""zero_ext.comm: process groups and the checks that keep ranks in step.
+
+Files:
+- process_groups.py: ``init_distributed`` (DeepSpeed's signature) over torch.distributed, ranks, the
+  collectives DeepSpeed's ``deepspeed.comm`` exposes.
+- collective_check.py: every rank must call a collective API; one that does not fails with an
+  explanation instead of hanging the others.
+"""
+from .process_groups import (DEFAULT_TIMEOUT_MINUTES, ReduceOp, add_config_arguments, all_gather,  # noqa: F401
+                             all_reduce, barrier, broadcast, default_backend, default_timeout, get_local_rank,
+                             get_rank, get_world_size, init_distributed, is_initialized)

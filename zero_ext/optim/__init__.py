@@ -1,0 +1,13 @@
+"""zero_ext.optim: the optimizer side of ZeRO: partitions of the fp32 state, gradient reduction, the step.
+
+Files:
+- zero_optimizer.py: ZeroOptimizer, the one optimizer of every stage: owns the groups, reduces, clips,
+  steps and re-gathers.
+- flat_group.py: FlatGroup, one param group flattened (stages 0-2).
+- shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them.
+- grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
+- loss_scaler.py: fp16 loss scaling, dynamic and static.
+- schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
+- factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
+  the rules for a client's optimizer.
+"""

@@ -1,0 +1,91 @@
+"""The base optimizer: built from the config's ``optimizer`` section, or checked when it is the client's.
+
+- :func:`build_optimizer`: without optimizer offload, a torch optimizer. Adam and AdamW follow
+  DeepSpeed: type "Adam" decouples weight decay (AdamW) unless ``adam_w_mode: false``; both run as
+  torch.optim.Adam(W). Other torch.optim names build that class with the given params; Lion is the C
+  CPULion.
+- :func:`build_offload_optimizer`: with optimizer offload the engine builds the C optimizer itself
+  (CPUAdam, CPUAdagrad, CPULion), as DeepSpeed does; :func:`check_client_optimizer` is DeepSpeed's
+  rule for a client optimizer with offload (``zero_force_ds_cpu_optimizer``).
+"""
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..config import ConfigError
+from ..ops._optimizer import CPUOptimizer
+from ..ops.adagrad import CPUAdagrad
+from ..ops.adam import CPUAdam
+from ..ops.lion import CPULion
+
+# Adam(W) params that torch.optim takes as they are.
+_TORCH_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
+                    "differentiable", "fused")
+
+
+def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
+    """The torch optimizer the config's ``optimizer`` section asks for, over ``param_groups``."""
+    # DeepSpeed's defaults where the config is silent (its Adam decays 0.0; torch's AdamW 0.01)
+    params = opt_cfg.params_with_defaults()
+    if opt_cfg.type in ("adam", "adamw"):
+        if params.get("bias_correction", True) is False:
+            raise ConfigError("optimizer.params.bias_correction = false is not implemented by zero_ext yet "
+                              "(torch's Adam always corrects bias); remove the key")
+        cls = torch.optim.AdamW if opt_cfg.adam_w_mode else torch.optim.Adam
+        kwargs = {k: params[k] for k in _TORCH_ADAM_KEYS if k in params and params[k] is not None}
+        if "betas" in kwargs:
+            kwargs["betas"] = tuple(kwargs["betas"])
+        return cls(param_groups, **kwargs)
+    if opt_cfg.type == "lion":
+        if any(p.is_cuda for g in param_groups for p in g["params"]):
+            raise ConfigError("optimizer.type = 'Lion' on CUDA tensors is not implemented by zero_ext yet (its C "
+                              "Lion runs on CPU tensors); use AdamW, or train on CPU")
+        return CPULion(param_groups, **params)
+    name = {"adagrad": "Adagrad"}.get(opt_cfg.type, opt_cfg.type)
+    cls = getattr(torch.optim, name, None)
+    if cls is None:
+        raise ConfigError(f"optimizer.type = {opt_cfg.type!r} is not available in this torch "
+                          f"({torch.__version__}); choose Adam, AdamW or a torch.optim class")
+    try:
+        return cls(param_groups, **params)
+    except TypeError as exc:
+        raise ConfigError(f"optimizer.params do not fit torch.optim.{name}: {exc}") from None
+
+
+# Optimizers that step host tensors in C (their class names; DeepSpeed's aliases included).
+CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "DeepSpeedCPUAdagrad", "CPULion", "DeepSpeedCPULion")
+
+
+def build_offload_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[torch.optim.Optimizer]:
+    """The C optimizer for the config's ``optimizer`` section when the optimizer is offloaded, or
+    None when the section asks for one zero_ext runs with torch (``torch_adam``, other torch.optim
+    classes: they then step the host tensors)."""
+    params = opt_cfg.params_with_defaults()
+    if opt_cfg.is_adam:
+        if params.get("torch_adam"):
+            return None
+        return CPUAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
+                       betas=tuple(params["betas"]), eps=params["eps"], weight_decay=params["weight_decay"],
+                       adamw_mode=opt_cfg.adam_w_mode, fp32_optimizer_states=params["fp32_optimizer_states"])
+    if opt_cfg.type == "adagrad":
+        return CPUAdagrad(param_groups, **params)
+    if opt_cfg.type == "lion":
+        return CPULion(param_groups, **params)
+    return None
+
+
+def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: bool) -> None:
+    """DeepSpeed's rule: a client optimizer with optimizer offload must be a CPU optimizer, unless
+    ``zero_force_ds_cpu_optimizer`` is false (the client optimizer then steps host tensors)."""
+    name = type(base).__name__
+    if force_ds_cpu_optimizer and name not in CPU_OPTIMIZERS:
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer is on with a client optimizer ({name}), which would step "
+            "the offloaded fp32 state slowly in host memory. Use zero_ext.ops.adam.CPUAdam (DeepSpeedCPUAdam), "
+            "or give an 'optimizer' section in the config (the engine then builds the C optimizer); to use "
+            'your optimizer anyway, set "zero_force_ds_cpu_optimizer": false.')
+
+
+def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
+    """Whether ``base`` takes grad_scale/fp16_param_groups in step() (the fused offloaded step)."""
+    return isinstance(base, CPUOptimizer)
