@@ -41,6 +41,7 @@ def _snapshot(engine):
 
 def _round_trips(stage, dtype, offload=False):
     from zero_ext import OffloadStateTypeEnum
+    from zero_ext.engine import StepPhase
     from zero_ext.runtime.zero.offload_states import get_state_devices
 
     engine = _engine(stage, dtype, offload)
@@ -56,11 +57,11 @@ def _round_trips(stage, dtype, offload=False):
         x = MLP.batch(2, torch.Generator(), next(engine.module.buffers()).dtype)[0]
         for call in (lambda: engine.step(), lambda: engine(x)):
             try:
-                engine._backward_since_step = True  # reach the boundary check of step()
+                engine.phase = StepPhase.BACKWARD  # reach the boundary check of step()
                 call()
             except RuntimeError as exc:
                 errors.append(str(exc))
-        engine._backward_since_step = False
+        engine.phase = StepPhase.IDLE
         engine.reload_states()
         after = _snapshot(engine)
         report[kind] = {"same": all(torch.equal(a, b) for a, b in zip(before, after)), "before": table_before,

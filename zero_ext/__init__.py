@@ -6,6 +6,8 @@
 
 `import zero_ext` needs neither CUDA nor NCCL: the CUDA library is loaded only when CUDA tensors are used.
 """
+import importlib.metadata
+
 from .comm import add_config_arguments, init_distributed
 from .engine import ZeroEngine
 from .initialize import initialize
@@ -15,7 +17,7 @@ from . import zero  # noqa: F401  (zero_ext.zero.Init, GatheredParameters, ... a
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("zero_ext")  # pyproject.toml's, the one place it is written
 
 __all__ = ["init_distributed", "add_config_arguments", "initialize", "ZeroEngine", "DeepSpeedEngine", "OffloadDeviceEnum",
            "OffloadStateTypeEnum", "__version__"]

@@ -1,37 +1,89 @@
-"""The training engine: DeepSpeed's ``DeepSpeedEngine`` surface over ZeRO stages 0-2.
+"""The training engine: DeepSpeed's ``DeepSpeedEngine`` surface over ZeRO stages 0-3.
 
     engine, optimizer, loader, scheduler = zero_ext.initialize(model=model, config=cfg)
     loss = engine(batch); engine.backward(loss); engine.step()
 
-The engine wraps the user's module (``engine.module``; unknown attributes are forwarded to it), owns
-the ZeRO optimizer (zero_optimizer.py) and counts steps. ``step()`` updates only at the accumulation
-boundary, every ``gradient_accumulation_steps`` micro steps.
+The engine wraps the user's module (``engine.module``; unknown attributes are forwarded to it), runs
+what build.py made for it (the ZeRO optimizer, stage 3's ZeroModel, the NVMe stores) and counts steps.
+``step()`` updates only at the accumulation boundary, every ``gradient_accumulation_steps`` micro steps.
+
+[Note: the step lifecycle] Where the engine is in its step cycle is one value, ``engine.phase`` (a
+:class:`StepPhase`), changed only by :meth:`ZeroEngine._advance` along the table ``TRANSITIONS``; an
+event the table does not allow from the current phase raises the lifecycle error users see (backward
+after an early reduction, gradients read when there are none, anything after destroy). Two
+conditions sit beside it, because they nest around the cycle rather than being steps of it: inside
+``no_sync()``, and states parked by ``offload_states()``.
 """
 import contextlib
 import logging
+import os
 import warnings
-from typing import Dict, List, Optional
+import weakref
+from enum import Enum
+from typing import Dict, FrozenSet, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
-from .optim.flat_group import FlatGroup
-from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
-from .optim.loss_scaler import scaler_from_config
+from .checkpoint.engine_state import check_all_ranks_call, load_checkpoint, save_checkpoint
+from .checkpoint.files import atomic_torch_save
+from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
-from .optim.zero_optimizer import ZeroOptimizer
+from .zero import GatheredParameters
+from .zero.param import zero_param_of
 
 logger = logging.getLogger("zero_ext.engine")
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+class StepPhase(Enum):
+    """Where a ZeroEngine is in its step cycle (``engine.phase``); see [Note: the step lifecycle].
+    Gradients exist in BACKWARD, ACCUMULATED and REDUCED; the boundary step applies them."""
+
+    IDLE = "idle"  # no gradients: after initialize, after the step that applied them, after zero_grad()
+    BACKWARD = "backward"  # engine.backward() ran in this micro step
+    ACCUMULATED = "accumulated"  # a micro step ended before the boundary: the gradients summed so far
+    REDUCED = "reduced"  # stages 0/1: this step's gradients were averaged early (a safe_get/safe_set)
+    FORWARD_ONLY = "forward_only"  # built without an optimizer: no backward, no step
+    DESTROYED = "destroyed"  # engine.destroy() ran
+
+
+_P = StepPhase
+_TRAINING = (_P.IDLE, _P.BACKWARD, _P.ACCUMULATED, _P.REDUCED)
+# event -> {phase before: phase after}. From any phase not listed the event is a lifecycle error.
+TRANSITIONS: Dict[str, Dict[StepPhase, StepPhase]] = {
+    "backward": {_P.IDLE: _P.BACKWARD, _P.BACKWARD: _P.BACKWARD, _P.ACCUMULATED: _P.BACKWARD},
+    # step() before the boundary keeps the gradients; a step with none to apply changes nothing
+    "micro_step": {_P.BACKWARD: _P.ACCUMULATED, _P.REDUCED: _P.REDUCED, _P.IDLE: _P.IDLE,
+                   _P.ACCUMULATED: _P.ACCUMULATED},
+    "boundary_step": {_P.BACKWARD: _P.IDLE, _P.REDUCED: _P.IDLE},
+    "read_gradients": {_P.BACKWARD: _P.BACKWARD, _P.ACCUMULATED: _P.ACCUMULATED, _P.REDUCED: _P.REDUCED},
+    "reduce_early": {_P.BACKWARD: _P.REDUCED, _P.ACCUMULATED: _P.REDUCED, _P.REDUCED: _P.REDUCED},
+    "zero_grad": {**{p: _P.IDLE for p in _TRAINING}, _P.FORWARD_ONLY: _P.FORWARD_ONLY},
+    "destroy": {p: _P.DESTROYED for p in StepPhase},
+}
+
+# trainable parameter -> the engine stepping it (weakly both ways), for the state routines
+# (utils/safe_state.py), which are given only the parameter
+_ENGINE_OF = WeakIdKeyDictionary()
+
+
+def engine_of(param) -> Optional["ZeroEngine"]:
+    """The live engine whose optimizer steps ``param``, or None."""
+    ref = _ENGINE_OF.get(param)
+    return ref() if ref is not None else None
 
 
 class ZeroEngine(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config, base_optimizer: torch.optim.Optimizer,
-                 lr_scheduler=None, training_dataloader=None, device: Optional[torch.device] = None,
-                 zero_model=None):
+    """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
+    engine), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
+    the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
+
+    def __init__(self, module: torch.nn.Module, config, optimizer, offload: OffloadPlan,
+                 device: Optional[torch.device] = None, zero_model=None, nvme_pieces=None, lr_scheduler=None,
+                 training_dataloader=None):
         super().__init__()
         self.module = module
         self.zero_model = zero_model  # stage 3: the parameter-side hooks (zero/model.py)
@@ -44,152 +96,78 @@ class ZeroEngine(torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
-        self._step_applied = False
-        self._backward_since_step = False
+        self.phase = StepPhase.IDLE if optimizer is not None else StepPhase.FORWARD_ONLY
+        self._step_applied = False  # what the last step() did (was_step_applied)
         self._boundary_override: Optional[bool] = None
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
-        self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload_states.py)
+        self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
         self._no_sync = False
-        self.offload = OffloadPlan(config.zero_optimization)  # ZeRO-Offload placement (offload.py)
+        self.offload = offload  # ZeRO-Offload placement (offload/plan.py)
         self.training_dataloader = training_dataloader
-        self.optimizer = None  # a forward-only engine has none (initialize without an optimizer)
-        self.nvme_pieces = None  # offload_param nvme (nvme_params.py): opened before the sub-groups are made
-        if self.offload.param_device == "nvme":
-            self.nvme_pieces = self._open_nvme_pieces(base_optimizer is not None)
-        if base_optimizer is not None:
-            self.optimizer = self._build_zero_optimizer(base_optimizer)
-            self.optimizer.at_boundary = self.is_gradient_accumulation_boundary
-            if self.offload.optimizer_device == "nvme":
-                self._attach_nvme()
-        if self.nvme_pieces is not None:
-            self._attach_other_pieces()
+        self.optimizer = optimizer
+        self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
+        for p in optimizer.params() if optimizer is not None else []:
+            _ENGINE_OF[p] = weakref.ref(self)
 
-    # -- construction ---------------------------------------------------------------------------------
+    # -- the step lifecycle ([Note: the step lifecycle]) -------------------------------------------------
 
-    def _build_zero_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
-        zc = self._config.zero_optimization
-        stage = zc.stage
-        if stage == 3:
-            return self._build_stage3_optimizer(base)
-        host = self.offload.host if self.offload.optimizer else None
-        groups: List[Optional[FlatGroup]] = []
-        for group in base.param_groups:
-            trainable = [p for p in group["params"] if p.requires_grad]
-            if not trainable:
-                groups.append(None)
-                group["params"] = []
-                continue
-            g = FlatGroup(trainable, self.world_size, self.global_rank, partitioned=stage >= 1,
-                          keep_lp_grads=stage < 2, device=self.device, host=host)
-            group["params"] = [g.master]
-            groups.append(g)
-        flat = [g for g in groups if g is not None]
-        cfg = self._config
-        comm_dtype = _DTYPES.get(cfg.communication_data_type, flat[0].dtype)
-        averaging = Averaging(self.world_size, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
-        if stage == 2:
-            reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
-                                    self.global_rank, self.world_size, zc.ignore_unused_parameters, averaging)
-        else:
-            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
-        return ZeroOptimizer(base, groups, reducer, stage, cfg.gradient_clipping, zc.allgather_bucket_size,
-                             self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
+    def _advance(self, event: str, what: str) -> None:
+        """Moves ``phase`` along TRANSITIONS, or raises the lifecycle error for ``what`` (the call)."""
+        after = TRANSITIONS[event].get(self.phase)
+        if after is None:
+            raise RuntimeError(self._misuse(event, what))
+        self.phase = after
 
-    def _averaging(self, model_dtype: torch.dtype) -> Averaging:
-        cfg = self._config
-        comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
-        return Averaging(self.world_size, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
+    def _misuse(self, event: str, what: str) -> str:
+        if self.phase is StepPhase.DESTROYED:
+            return (f"{what}: this engine was destroyed (engine.destroy()); build a new one with "
+                    "zero_ext.initialize")
+        if self.phase is StepPhase.FORWARD_ONLY:
+            return (f"{what}: this engine has no optimizer (initialize was given none and the config has no "
+                    "'optimizer' section): it runs forward only")
+        if event == "backward":  # from REDUCED
+            return (f"{what}: this step's gradients were already averaged across ranks (a safe_get/safe_set "
+                    "gradient call); call engine.step() before the next backward")
+        if event in ("read_gradients", "reduce_early"):  # from IDLE
+            return (f"{what}: there are no gradients now. Gradients exist after engine.backward() and before "
+                    "the engine.step() that applies them (the step consumes and clears them).")
+        return f"{what}: not allowed while the engine is {self.phase.value}"  # (the table has no other gaps)
 
-    def _build_stage3_optimizer(self, base: torch.optim.Optimizer) -> ZeroOptimizer:
-        from .optim.shard_groups import ShardReducer, build_shard_groups
+    def gradients(self, what: str):
+        """The state routines' access to this step's gradients (utils/safe_state.py): checks that they
+        exist and, at stages 0/1, that this is the boundary, then averages them across ranks (once; at
+        stages 0/1 no backward may follow before the step). Returns the ZeroOptimizer."""
+        self._advance("read_gradients", what)
+        stage = self.zero_optimization_stage()
+        if stage < 2 and not self.is_gradient_accumulation_boundary():
+            raise RuntimeError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
+                               "gradient-accumulation boundary; call it after the backward of the last micro step "
+                               "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
+        self.optimizer.ensure_reduced()
+        if stage < 2:
+            self._advance("reduce_early", what)
+        return self.optimizer
 
-        cfg, zc = self._config, self._config.zero_optimization
-        on_group = self._register_piece_group if self.nvme_pieces is not None else None
-        _, groups = build_shard_groups(base, self.zero_model, zc.sub_group_size, self.global_rank, self.world_size,
-                                       plan=self.offload, on_group=on_group)
-        reducer = ShardReducer(groups, self.zero_model, zc.reduce_bucket_size, zc.overlap_comm,
-                               self._averaging(groups[0].dtype), self.global_rank, self.world_size,
-                               zc.ignore_unused_parameters)
-        opt = ZeroOptimizer(base, groups, reducer, 3, cfg.gradient_clipping, zc.allgather_bucket_size,
-                            self.global_rank, self.world_size, loss_scaler=scaler_from_config(cfg.fp16))
-        opt.after_step_hooks.append(self.zero_model.refresh_persistent)
-        return opt
+    def next_collective_seq(self) -> int:
+        """The number of this engine's next collective API call (checkpoints, 16-bit saves): every rank
+        must reach the same number (comm/collective_check.py)."""
+        self._collective_seq += 1
+        return self._collective_seq
 
-    def _attach_nvme(self) -> None:
-        """offload_optimizer.device = "nvme": masters and optimizer state go to swap files under nvme_path,
-        one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
-        from .nvme.swap_dir import check_nvme_path
-        from .nvme.store import NVMeStateStore
+    def restore_counters(self, state: dict) -> None:
+        """The step counters from a checkpoint's model state (absent ones are 0)."""
+        for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
+            setattr(self, key, state.get(key, 0))
 
-        oc = self._config.zero_optimization.offload_optimizer
-        # before any training: the directory works and has room for this rank's files (plus the padding
-        # of each file to a page)
-        opt = self.optimizer
-        need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
-        check_nvme_path(oc.nvme_path, need)
-        # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
-        # only keep copies (a stage-1/2 partition within sub_group_size is one group).
-        sub_group_size = self._config.zero_optimization.sub_group_size
-        groups = sum(len(opt.nvme_slices(g, sub_group_size)) for g in opt.flat_groups)
-        count = max(1, min(oc.buffer_count, groups))
-        store = NVMeStateStore(oc.nvme_path, count, aio=self._config.aio, pin_memory=oc.pin_memory)
-        self.optimizer.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init, sub_group_size)
+    # -- offload_states bookkeeping (offload/states.py moves the tensors) --------------------------------
 
-    def _open_nvme_pieces(self, has_optimizer: bool):
-        """offload_param.device = "nvme" (stage 3): the 16-bit pieces go to swap files under its nvme_path —
-        one file per optimizer sub-group's piece buffer, written as the sub-group is made, and one per other
-        piece (frozen parameters, every piece of a forward-only engine) — and are read through buffer_count
-        host buffers when used. Pieces zero.Init(remote_device="nvme") already wrote stay in its files."""
-        from .nvme.swap_dir import check_nvme_path
-        from .config import ConfigError
-        from .nvme.pieces import NVMePieces
-        from .nvme.store import NVMeStateStore
-        from .zero.param import zero_param_of
+    def offloaded_kinds(self) -> FrozenSet:
+        """The OffloadStateTypeEnum kinds parked in host memory now."""
+        return frozenset(self._offloaded)
 
-        pc = self._config.zero_optimization.offload_param
-        if has_optimizer and (not self.offload.optimizer or self.offload.ratio < 1.0):
-            raise ConfigError('zero_optimization.offload_param.device = "nvme" needs the optimizer offloaded whole: '
-                              'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
-        zps = list({id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values())
-        elem = next(iter(self.module.parameters())).element_size()
-        check_nvme_path(pc.nvme_path, sum(zp.shard_numel * elem + 4096 for zp in zps))
-        store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=self._config.aio, pin_memory=pc.pin_memory)
-        return NVMePieces(store, pc.max_in_cpu)
-
-    def _register_piece_group(self, k: int, g) -> None:
-        """build_shard_groups' callback: sub-group k's piece buffer to its swap file, its host memory freed."""
-        from .config import ConfigError
-
-        pc = self._config.zero_optimization.offload_param
-        if g.flat.numel() > pc.buffer_size:
-            raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
-                              f"than sub-group {k}'s pieces ({g.flat.numel()} elements): raise buffer_size, or "
-                              "lower zero_optimization.sub_group_size")
-        self.nvme_pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
-
-    def _piece_stores(self):
-        """The NVMe stores holding this model's pieces: the engine's, and zero.Init's for pieces it kept."""
-        if self.nvme_pieces is None:
-            return []
-        from .zero.param import zero_param_of
-
-        stores = {id(self.nvme_pieces): self.nvme_pieces}
-        for zp in map(zero_param_of, self.module.parameters()):
-            if zp is not None and zp.piece_io is not None:
-                stores.setdefault(id(zp.piece_io), zp.piece_io)
-        return list(stores.values())
-
-    def _attach_other_pieces(self) -> None:
-        """The pieces no sub-group holds (frozen; all of a forward-only engine), unless zero.Init put them
-        on NVMe already; then the optimizer learns where its pieces are."""
-        from .zero.param import zero_param_of
-
-        for zp in {id(z): z for z in map(zero_param_of, self.module.parameters()) if z}.values():
-            if zp.piece_io is None and id(zp) not in self.nvme_pieces._key_of:
-                self.nvme_pieces.add_piece(("piece", zp.ds_id), zp)
-        if self.optimizer is not None:
-            self.optimizer.nvme_pieces = self.nvme_pieces
+    def mark_offloaded(self, kind, parked: bool = True) -> None:
+        (self._offloaded.add if parked else self._offloaded.discard)(kind)
 
     def empty_partition_cache(self) -> None:
         """Stage 3: releases every gathered parameter, persistent ones too (the next forward gathers
@@ -215,12 +193,8 @@ class ZeroEngine(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _require_optimizer(self, what: str) -> None:
-        if getattr(self, "_destroyed", False):
-            raise RuntimeError(f"engine.{what}: this engine was destroyed (engine.destroy()); build a new one with "
-                               "zero_ext.initialize")
-        if self.optimizer is None:
-            raise RuntimeError(f"engine.{what}: this engine has no optimizer (initialize was given none and the "
-                               "config has no 'optimizer' section): it runs forward only")
+        if self.phase in (StepPhase.DESTROYED, StepPhase.FORWARD_ONLY):
+            raise RuntimeError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -263,24 +237,22 @@ class ZeroEngine(torch.nn.Module):
             raise RuntimeError("engine.backward: the loss does not require grad (was it computed under "
                                "torch.no_grad(), or from frozen parameters only?)")
         self._require_loaded("backward", ("lp_params", "lp_grads"))
-        if self.optimizer.reduced and self.zero_optimization_stage() < 2:
-            raise RuntimeError("engine.backward: this step's gradients were already averaged across ranks (a "
-                               "safe_get/safe_set gradient call); call engine.step() before the next backward")
+        if self.phase is StepPhase.REDUCED:
+            self._advance("backward", "engine.backward")  # raises: the gradients are averaged already
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self._backward_since_step = True
-        self.optimizer.grads_valid = True
+        self._advance("backward", "engine.backward")
         return loss
 
     def _refuse_gradients_from_outside_backward(self) -> None:
         """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
         called ``loss.backward()`` itself (unscaled for accumulation and fp16, and uncounted). Collective:
         every rank reaches this step() the same way, and all must agree to raise."""
-        if self.optimizer.grads_valid:  # engine.backward() ran earlier in this accumulation: its gradients
-            return
+        if self.phase is StepPhase.ACCUMULATED:  # engine.backward() ran earlier in this accumulation: its
+            return  # gradients
         groups = self.optimizer.flat_groups
         found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
         if self.world_size > 1:
@@ -307,17 +279,17 @@ class ZeroEngine(torch.nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
                                "must be reduced before a step)")
-        if not self._backward_since_step:
+        if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self._refuse_gradients_from_outside_backward()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
                           "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=2)
             self._step_applied = False
             return
-        self._backward_since_step = False
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._require_loaded("step")
             self._step_applied = self.optimizer.step()
+            self._advance("boundary_step", "engine.step")
             if self._step_applied:
                 if self.lr_scheduler is not None:
                     self.lr_scheduler.step(**(lr_kwargs or {}))
@@ -328,12 +300,16 @@ class ZeroEngine(torch.nn.Module):
             # counted on skipped steps too, as DeepSpeed does
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
+        else:
+            self._advance("micro_step", "engine.step")
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients accumulated since the last step."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
+        if self.phase is not StepPhase.DESTROYED:
+            self._advance("zero_grad", "engine.zero_grad")
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters (False between boundaries and on overflow)."""
@@ -403,9 +379,7 @@ class ZeroEngine(torch.nn.Module):
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
-        from .offload.states import offloaded_tensors
-
-        account = MemoryAccount(self.device, host=offloaded_tensors(self) + self._host_placed())
+        account = MemoryAccount(self.device, host=offload_state.offloaded_tensors(self) + self.host_placed())
         for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
             account.add(kind, tensor)
         for p in self.module.parameters():
@@ -429,6 +403,16 @@ class ZeroEngine(torch.nn.Module):
             account.bytes["comm_buffers"]["host"] += pieces.store.host_bytes()
         return account.table()
 
+    def _piece_stores(self):
+        """The NVMe stores holding this model's pieces: the engine's, and zero.Init's for pieces it kept."""
+        if self.nvme_pieces is None:
+            return []
+        stores = {id(self.nvme_pieces): self.nvme_pieces}
+        for zp in map(zero_param_of, self.module.parameters()):
+            if zp is not None and zp.piece_io is not None:
+                stores.setdefault(id(zp.piece_io), zp.piece_io)
+        return list(stores.values())
+
     def _state_in_memory(self, modified: bool):
         """NVMe offload: masters, optimizer state and 16-bit pieces in memory for a checkpoint
         (ZeroOptimizer.materialized)."""
@@ -438,7 +422,7 @@ class ZeroEngine(torch.nn.Module):
             return self.nvme_pieces.materialized(modified)
         return contextlib.nullcontext()
 
-    def _host_placed(self) -> List[torch.Tensor]:
+    def host_placed(self) -> List[torch.Tensor]:
         """Tensors the offload config keeps in host memory: the offloaded optimizer's masters, gradient
         partitions and state; with offload_param the parameter pieces."""
         out = self.optimizer.host_tensors() if self.optimizer is not None else []
@@ -447,13 +431,11 @@ class ZeroEngine(torch.nn.Module):
             out += [g.flat for g in (self.optimizer.flat_groups if self.optimizer is not None else [])]
         return out
 
-    # -- checkpoints (checkpoint.py) -------------------------------------------------------------------
+    # -- checkpoints (checkpoint/engine_state.py) -------------------------------------------------------------------
 
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective: every rank writes its shard; see docs/checkpoints.md."""
-        from .checkpoint.engine_state import save_checkpoint
-
         with self._state_in_memory(modified=False):
             return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
@@ -461,8 +443,6 @@ class ZeroEngine(torch.nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
         """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
-        from .checkpoint.engine_state import load_checkpoint
-
         with self._state_in_memory(modified=True):
             return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                    load_lr_scheduler_states, load_module_only, custom_load_fn)
@@ -470,8 +450,6 @@ class ZeroEngine(torch.nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The model's weights in their training dtype, whole (stage 3: gathered; collective there)."""
         if self.zero_model is not None:
-            from .zero import GatheredParameters
-
             with GatheredParameters(list(self.module.parameters())):
                 sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         else:
@@ -485,11 +463,7 @@ class ZeroEngine(torch.nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective; rank 0 writes the weights (safetensors when the file name ends so)."""
-        from .checkpoint.engine_state import check_all_ranks_call
-        from .checkpoint.files import atomic_torch_save
-
-        self._collective_seq += 1
-        check_all_ranks_call("save_16bit_model", self._collective_seq)
+        check_all_ranks_call("save_16bit_model", self.next_collective_seq())
         zc = self._config.zero_optimization
         if zc.stage == 3 and not zc.gather_16bit_weights_on_model_save:
             logger.warning("save_16bit_model: ZeRO-3 weights are partitioned; set "
@@ -498,12 +472,10 @@ class ZeroEngine(torch.nn.Module):
             return False
         sd = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         if self.global_rank == 0:
-            import os
-
             os.makedirs(save_dir, exist_ok=True)
             path = os.path.join(save_dir, save_filename)
             if save_filename.endswith(".safetensors"):
-                from safetensors.torch import save_file
+                from safetensors.torch import save_file  # optional: only for .safetensors file names
 
                 save_file({k: v.detach().contiguous().clone().cpu() for k, v in sd.items()}, path,
                           metadata={"format": "pt"})
@@ -515,19 +487,15 @@ class ZeroEngine(torch.nn.Module):
 
     save_fp16_model = save_16bit_model
 
-    # -- offload_states / reload_states (offload_states.py) ----------------------------------------------
+    # -- offload_states / reload_states (offload/states.py) ----------------------------------------------
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Moves the chosen kinds of state (OffloadStateTypeEnum; default all) to host memory."""
-        from .offload.states import offload_states
-
-        offload_states(self, include, device, pin_memory, non_blocking)
+        offload_state.offload_states(self, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every offloaded state back to the compute device, bit for bit."""
-        from .offload.states import reload_states
-
-        reload_states(self, non_blocking)
+        offload_state.reload_states(self, non_blocking)
 
     def destroy(self) -> None:
         """Removes every hook the engine installed (stage 2 gradient hooks; stage 3 module hooks), removes
@@ -535,10 +503,8 @@ class ZeroEngine(torch.nn.Module):
         engine object is still referenced. The module keeps its trained weights: stages 0-2 as plain
         parameters; stage 3 partitioned (as in DeepSpeed: read them under GatheredParameters, or make them
         whole with zero_ext.zero.unpartition). backward()/step() afterwards are errors."""
-        remove = getattr(getattr(self.optimizer, "reducer", None), "remove_hooks", None)
-        if remove:
-            remove()
         if self.optimizer is not None:
+            self.optimizer.reducer.remove_hooks()
             self.optimizer.destroy_offload()
             self.optimizer.release()
         if self.nvme_pieces is not None:  # the model keeps its weights: pieces back in host memory first
@@ -548,4 +514,4 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_model is not None:
             self.zero_model.destroy()
             self.zero_model = None
-        self._destroyed = True
+        self._advance("destroy", "engine.destroy")

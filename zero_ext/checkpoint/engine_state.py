@@ -16,6 +16,7 @@ its pieces (frozen ones too). See docs/checkpoints.md.
 import json
 import logging
 import os
+import importlib.metadata
 import random
 import shutil
 import warnings
@@ -108,8 +109,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
-    engine._collective_seq += 1
-    check_all_ranks_call("save_checkpoint", engine._collective_seq)
+    check_all_ranks_call("save_checkpoint", engine.next_collective_seq())
     rank, world = engine.global_rank, engine.world_size
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     _validate_tag(engine, tag)
@@ -207,9 +207,7 @@ def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
 
 
 def _version() -> str:
-    from .. import __version__
-
-    return __version__
+    return importlib.metadata.version("zero_ext")
 
 
 # -- load -------------------------------------------------------------------------------------------------
@@ -219,8 +217,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                     load_module_only: bool = False, custom_load_fn=None) -> Tuple[Optional[str], Optional[dict]]:
     if custom_load_fn is not None:
         raise ValueError("load_checkpoint: custom_load_fn is not supported by zero_ext")
-    engine._collective_seq += 1
-    check_all_ranks_call("load_checkpoint", engine._collective_seq)
+    check_all_ranks_call("load_checkpoint", engine.next_collective_seq())
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.exists(latest):
@@ -253,9 +250,8 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        for key in ("global_steps", "global_samples", "skipped_steps", "micro_steps"):
-            setattr(engine, key, state.get(key, 0))
-    opt._end_of_step()  # no gradients carry over a load
+        engine.restore_counters(state)
+    engine.zero_grad()  # no gradients carry over a load
     client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
     if engine.world_size > 1:
         dist.barrier()

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Dict, Iterable, List, Optional, Sequence, Tup
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
+from .errors import ConfigError
+
 
 
 class ConfigModel(BaseModel):
@@ -38,8 +40,7 @@ class ConfigModel(BaseModel):
         try:
             super().__setattr__(name, value)
         except ValidationError as err:
-            from .errors import ConfigError
-            from .messages import problems_from_errors
+            from .messages import problems_from_errors  # (here: messages imports this module)
 
             self.__dict__.clear()
             self.__dict__.update(before)

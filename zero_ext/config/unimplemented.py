@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Tuple, Union
 
 from .base import ConfigModel, field_default
 from .errors import Problem, UnimplementedFeatureError, format_value
+from .loader import load_config
 
 Entry = Union[str, Dict[str, Any]]
 
@@ -156,8 +157,6 @@ def reject_unimplemented(cfg: Any, implemented: Iterable[str] = ()) -> None:
     programming error (ValueError), so a typo cannot silently let a feature through.
     """
     if not isinstance(cfg, ConfigModel):
-        from .loader import load_config
-
         cfg = load_config(cfg)
     problems = unimplemented_problems(cfg, implemented)
     if problems:

@@ -33,7 +33,13 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from pydantic import ValidationError
+
 from .. import _C
+from ..config.aio import AioConfig
+from ..config.errors import ConfigError
+from ..config.keys import Report, walk
+from ..config.messages import problems_from_errors
 from ..offload.host_buffers import ALIGN, HUGE_PAGE, aligned_empty, host_empty, is_aligned  # noqa: F401 (the API)
 
 logger = logging.getLogger("zero_ext.aio")
@@ -257,13 +263,6 @@ class AsyncIO:
     def from_config(cls, config=None, backend: Optional[str] = None) -> "AsyncIO":
         """From an ``AioConfig`` (zero_ext.config), a dict of the section as in a DeepSpeed config
         (aliases such as ``thread_count`` and "auto" values accepted), or None for the defaults."""
-        from pydantic import ValidationError
-
-        from ..config.aio import AioConfig
-        from ..config.errors import ConfigError
-        from ..config.keys import Report, walk
-        from ..config.messages import problems_from_errors
-
         if config is None or isinstance(config, dict):
             report = Report()
             data = walk(dict(config or {}), AioConfig, "aio", report)

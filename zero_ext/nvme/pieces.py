@@ -49,6 +49,10 @@ class NVMePieces:
             self._owners.append(zp)
         self._point(key, None)
 
+    def holds(self, zp) -> bool:
+        """Whether this store keeps zp's piece."""
+        return id(zp) in self._key_of
+
     def add_piece(self, key: Hashable, zp) -> None:
         """A piece that is its own tensor (frozen parameters)."""
         self.store.register(key, [zp.shard])

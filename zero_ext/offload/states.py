@@ -108,29 +108,26 @@ def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDev
     if engine.zero_model is not None and OffloadStateTypeEnum.lp_params in kinds:
         engine.zero_model.release_all(include_persistent=True)  # stage 3: only pieces remain to move
     for kind in kinds:
-        if kind in engine._offloaded:
+        if kind in engine.offloaded_kinds():
             continue
         if kind == OffloadStateTypeEnum.contiguous_grad_buffer:
-            reducer = engine.optimizer.reducer
-            if getattr(reducer, "buffers", None):
-                reducer.wait_all()
-                reducer.buffers = []  # nothing lives in them between steps: free, reallocate on use
+            engine.optimizer.reducer.free_buffers()  # nothing lives in them between steps: reallocated on use
         else:
             for t in _kind_tensors(engine, kind):
                 _move(t, "cpu", pin_memory, non_blocking)
-        engine._offloaded.add(kind)
+        engine.mark_offloaded(kind)
     _repoint(engine)
 
 
 def reload_states(engine, non_blocking: bool = False) -> None:
-    had_params = OffloadStateTypeEnum.lp_params in engine._offloaded
-    home_is_host = {id(t) for t in engine._host_placed()}  # ZeRO-Offload's own tensors stay in host memory
-    for kind in list(engine._offloaded):
+    had_params = OffloadStateTypeEnum.lp_params in engine.offloaded_kinds()
+    home_is_host = {id(t) for t in engine.host_placed()}  # ZeRO-Offload's own tensors stay in host memory
+    for kind in engine.offloaded_kinds():
         if kind != OffloadStateTypeEnum.contiguous_grad_buffer:
             for t in _kind_tensors(engine, kind):
                 if id(t) not in home_is_host:
                     _move(t, engine.device, False, non_blocking)
-        engine._offloaded.discard(kind)
+        engine.mark_offloaded(kind, parked=False)
     _repoint(engine)
     if had_params and engine.zero_model is not None:
         engine.zero_model.refresh_persistent()  # stage 3: persistent parameters whole again
@@ -141,7 +138,7 @@ def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
     engine = model
     state = OffloadStateTypeEnum(state)
     if state == OffloadStateTypeEnum.contiguous_grad_buffer:
-        return {b.device for b in getattr(engine.optimizer.reducer, "buffers", [])}
+        return {b.device for b in engine.optimizer.reducer.buffers}
     if state == OffloadStateTypeEnum.hp_params:
         return {g.master.device for g in engine.optimizer.flat_groups}
     return {t.device for t in _kind_tensors(engine, state)}
@@ -149,7 +146,7 @@ def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
 
 def offloaded_tensors(engine):
     """Tensors of the offloaded kinds (memory accounting puts them under the host tier)."""
-    return [t for kind in engine._offloaded if kind != OffloadStateTypeEnum.contiguous_grad_buffer
+    parked = engine.offloaded_kinds()
+    return [t for kind in parked if kind != OffloadStateTypeEnum.contiguous_grad_buffer
             for t in _kind_tensors(engine, kind)] + (
-        [g.master for g in engine.optimizer.flat_groups] if OffloadStateTypeEnum.lp_params in engine._offloaded
-        else [])
+        [g.master for g in engine.optimizer.flat_groups] if OffloadStateTypeEnum.lp_params in parked else [])

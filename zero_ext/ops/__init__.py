@@ -7,6 +7,12 @@
 The kernels themselves, on lists of tensors, are in zero_ext.ops.functional (adam_step,
 adagrad_step, lion_step, grad_sqnorm, cast_). Their threads follow torch.get_num_threads() unless
 set_num_threads() fixes them.
+
+Files:
+- adam.py, adagrad.py, lion.py: CPUAdam, CPUAdagrad, CPULion (and DeepSpeed's names for them).
+- _optimizer.py: CPUOptimizer, what the three share (state on host_buffers, the fused offloaded step).
+- functional.py: the C kernels as functions on lists of tensors; the thread and ISA controls.
+- device_math.py: the same updates with torch operations, for sub-groups kept on an accelerator.
 """
 from .adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
 from .adam import CPUAdam, DeepSpeedCPUAdam

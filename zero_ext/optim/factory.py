@@ -89,3 +89,35 @@ def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: 
 def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
     """Whether ``base`` takes grad_scale/fp16_param_groups in step() (the fused offloaded step)."""
     return isinstance(base, CPUOptimizer)
+
+
+# Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
+# give the same result on a flat partition as on the parameters. Others need
+# zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam")
+
+
+def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:
+    """ZeRO steps flat partitions: only element-wise optimizers are right there, unless the config
+    says ``zero_allow_untested_optimizer``."""
+    if stage == 0 or allow_untested:
+        return
+    name = type(base).__name__
+    if name not in ZERO_SUPPORTED_OPTIMIZERS:
+        raise ValueError(
+            f"zero_ext.initialize: {name} is an untested ZeRO optimizer: ZeRO steps it on flat partitions of "
+            "the parameters, which is only right for element-wise optimizers (Adam, AdamW, Adagrad, Lion). "
+            'Add "zero_allow_untested_optimizer": true to the config to use it anyway.')
+
+
+def check_client_params(model: torch.nn.Module, base: torch.optim.Optimizer) -> None:
+    """A client optimizer must hold the model's parameters, and no state yet (ZeRO repartitions it)."""
+    names = {id(p) for p in model.parameters()}
+    for group in base.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError("zero_ext.initialize: the optimizer holds a tensor that is not a parameter of "
+                                 "the model; build it over model.parameters()")
+    if base.state:
+        raise ValueError("zero_ext.initialize: the optimizer already has state (it has stepped); pass a fresh "
+                         "optimizer — ZeRO repartitions its state")

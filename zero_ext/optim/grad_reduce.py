@@ -97,6 +97,14 @@ class BoundaryReducer:
             inputs = [g.lp_grad[r * g.part + a:r * g.part + b] for r in range(g.world)]
             dist.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
 
+    buffers = ()  # (it reduces in the gradients' own storage)
+
+    def free_buffers(self) -> None:
+        pass
+
+    def remove_hooks(self) -> None:
+        pass  # (it installs none: it reduces at the boundary)
+
     def after_step(self) -> None:
         for g in self.groups:
             g.lp_grad.zero_()
@@ -126,6 +134,11 @@ class StreamingReducer:
             raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
                                f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
                                "allow parameters unused in a step.")
+
+    def free_buffers(self) -> None:
+        """Drops the bucket buffers (nothing lives in them between steps; they are made again on use)."""
+        self.wait_all()
+        self.buffers = []
 
     def after_step(self) -> None:
         for g in self.groups:

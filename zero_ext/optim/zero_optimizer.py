@@ -1,4 +1,5 @@
-"""The ZeRO optimizer of stages 0-2: owns the flat groups, reduces, clips, steps, and re-gathers.
+"""The ZeRO optimizer of every stage: owns the groups (flat groups, stage 3's shard sub-groups), reduces,
+clips, steps, and re-gathers.
 
 The base (torch) optimizer sees one fp32 tensor per param group — this rank's master partition
 (see [Note: flat group tensors] in flat_group.py) — so its state is partitioned with it. ``step()`` is
@@ -11,13 +12,14 @@ inf or nan anywhere makes it non-finite on every rank, and all ranks skip the sa
 """
 import contextlib
 import math
-import weakref
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from .._native import planner
+from ..config import ConfigError
+from ..ops.functional import grad_sqnorm
 from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
@@ -43,7 +45,8 @@ class ZeroOptimizer:
 
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
-                 loss_scaler: Optional[StaticLossScaler] = None, process_group=None):
+                 loss_scaler: Optional[StaticLossScaler] = None, process_group=None, after_step=(),
+                 nvme_pieces=None):
         self.optimizer = base
         self.groups = groups  # one per base param group; None for a group without trainable params
         self.flat_groups = [g for g in groups if g is not None]
@@ -54,19 +57,16 @@ class ZeroOptimizer:
         self.global_grad_norm: Optional[float] = None
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
-        self.grads_valid = False  # between a backward and the step that applies it (state.py's lifecycle)
         self.reduced = False  # this step's gradients are averaged already
-        self.at_boundary = lambda: True  # the engine replaces it with its own accumulation test
-        self.after_step_hooks = []  # run after each applied step (stage 3: refresh persistent parameters)
+        self.after_step_hooks = list(after_step)  # run after each applied step (stage 3: refresh persistent pieces)
         self.nvme = None  # ZeRO-Infinity: the NVMeStateStore holding masters and optimizer state (attach_nvme)
-        self.nvme_pieces = None  # offload_param nvme: the 16-bit pieces in swap files (nvme_params.py)
+        self.nvme_pieces = nvme_pieces  # offload_param nvme: the 16-bit pieces in swap files (nvme/pieces.py)
         self._pipeline = (False, False)
         self._materialized = set()  # NVMe groups held in ordinary memory by materialized()
         self._slices = {}  # stages 1/2 NVMe: group index -> its partition's sub-group ranges (nvme_slices)
-        # each trainable parameter knows its place, for the state routines (state.py)
-        for gi, g in enumerate(self.flat_groups):
-            for i, p in enumerate(g.params):
-                p._zx_state = (weakref.ref(self), gi, i)
+        # each trainable parameter's place (flat group, index), for the state routines (utils/safe_state.py);
+        # the groups hold the parameters, so their ids stay valid while this optimizer lives
+        self._places = {id(p): (gi, i) for gi, g in enumerate(self.flat_groups) for i, p in enumerate(g.params)}
 
     @property
     def cur_scale(self) -> float:
@@ -114,17 +114,23 @@ class ZeroOptimizer:
         if not self.reduced:
             self.reduce_gradients()
 
-    def _end_of_step(self) -> None:
+    def place_of(self, param) -> Optional[tuple]:
+        """(flat group index, index in it) of a parameter this optimizer steps, else None."""
+        return self._places.get(id(param))
+
+    def params(self):
+        """Every parameter this optimizer steps."""
+        return [p for g in self.flat_groups for p in g.params]
+
+    def end_of_step(self) -> None:
+        """Forgets this step's gradients (after the step, at zero_grad, and when a checkpoint is loaded)."""
         self.reducer.after_step()
         self.reduced = False
-        self.grads_valid = False
 
     def grad_sq_norm(self) -> float:
         """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank.
         Gradient partitions in host memory are summed by the C kernel (every core, fp64 accumulation, one
         pass at memory speed): torch's single-threaded fp32 norm on CPU drifts (-0.8% at 5e7 elements)."""
-        from ..ops.functional import grad_sqnorm
-
         local = sum(grad_sqnorm(g.grad) for g in self.flat_groups if g.grad.is_cpu)
         sq = torch.tensor(local, dtype=torch.float64, device=self._device())
         for g in self.flat_groups:
@@ -142,7 +148,7 @@ class ZeroOptimizer:
         self.global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
         if self.overflow:
-            self._end_of_step()
+            self.end_of_step()
             self.loss_scaler.update(True)
             return False
         combined = 1.0 / scale  # unscale and clip in one pass over the gradients
@@ -161,7 +167,7 @@ class ZeroOptimizer:
                 g.copy_master_to_params()
         if self.stage in (1, 2) and self.world > 1:
             self.all_gather_params()  # (stage 3 needs none: modules gather the new pieces when they run)
-        self._end_of_step()
+        self.end_of_step()
         for hook in self.after_step_hooks:
             hook()
         self.loss_scaler.update(False)
@@ -255,8 +261,6 @@ class ZeroOptimizer:
         the masters are written from the 16-bit partitions chunk by chunk, never whole in memory.
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
         if not is_cpu_optimizer(self.optimizer):
-            from ..config import ConfigError
-
             raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
                               "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (or pass CPUAdam)")
         self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
@@ -401,9 +405,7 @@ class ZeroOptimizer:
                 g.lp_grad = None
             if getattr(g, "staging", None) is not None:
                 g.staging = None
-        if hasattr(self.reducer, "buffers"):
-            self.reducer.buffers = []
-        self.grads_valid = False
+        self.reducer.free_buffers()
 
     def destroy_offload(self) -> None:
         """Removes the NVMe swap files (engine.destroy())."""
@@ -434,7 +436,7 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the accumulated gradients (the flat buffers stay; parameters keep their views)."""
-        self._end_of_step()
+        self.end_of_step()
 
     def _device(self):
         return self.flat_groups[0].flat.device if self.flat_groups else torch.device("cpu")

@@ -1,1 +1,8 @@
-"""DeepSpeed's ``deepspeed.runtime`` import paths, for code ported from DeepSpeed."""
+"""DeepSpeed's ``deepspeed.runtime`` import paths, for code ported from DeepSpeed (names only; the code
+is where the layer map in docs/design.md puts it).
+
+Files:
+- engine.py: ``deepspeed.runtime.engine`` (DeepSpeedEngine).
+- lr_schedules.py: ``deepspeed.runtime.lr_schedules`` (the five schedulers, VALID_LR_SCHEDULES).
+- zero/: ``deepspeed.runtime.zero`` and its modules.
+"""

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm.collective_check import check_all_ranks_call, debug_enabled
+from ..engine import engine_of
+from ..zero.param import zero_param_of
 
 
 _FULL_CALLS = itertools.count(1)  # this process's full-form calls, matched across ranks in debug mode
@@ -36,11 +38,11 @@ def _collective(fn):
     for the same parameter, and fails naming the mismatch instead of hanging in the all-reduce."""
     @functools.wraps(fn)
     def call(param, *args, **kwargs):
-        owner = getattr(param, "_zx_state", None)
-        if owner is not None and debug_enabled():
+        w = _where(param)
+        if w is not None and debug_enabled():
             shape = tuple(getattr(param, "ds_shape", param.shape))
             check_all_ranks_call(fn.__name__, next(_FULL_CALLS),
-                                 detail=f"group {owner[1]} parameter {owner[2]} of shape {shape}",
+                                 detail=f"group {w.gi} parameter {w.i} of shape {shape}",
                                  hint="; full forms gather every rank's fragment")
         return fn(param, *args, **kwargs)
     return call
@@ -52,21 +54,21 @@ def _in_memory(modified: bool):
     def wrap(fn):
         @functools.wraps(fn)
         def call(param, *args, **kwargs):
-            owner = getattr(param, "_zx_state", None)
-            opt = owner[0]() if owner is not None else None
-            if opt is None or (getattr(opt, "nvme", None) is None and getattr(opt, "nvme_pieces", None) is None):
+            w = _where(param)
+            if w is None or (w.opt.nvme is None and w.opt.nvme_pieces is None):
                 return fn(param, *args, **kwargs)
-            with opt.materialized([owner[1]], modified=modified):
+            with w.opt.materialized([w.gi], modified=modified):
                 return fn(param, *args, **kwargs)
         return call
     return wrap
 
 
 class _Where:
-    """One parameter's place: its ZeRO optimizer, flat group, index, and this rank's fragment."""
+    """One parameter's place: its engine and ZeRO optimizer, flat group, index, and this rank's fragment."""
 
-    def __init__(self, opt, gi: int, i: int):
-        self.opt, self.g, self.i = opt, opt.flat_groups[gi], i
+    def __init__(self, engine, gi: int, i: int):
+        self.engine, self.opt = engine, engine.optimizer
+        self.gi, self.g, self.i = gi, self.opt.flat_groups[gi], i
         piece = self.g.piece_of(i)
         self.param_offset = piece.param_offset if piece else 0
         self.part_offset = piece.part_offset if piece else 0
@@ -110,24 +112,15 @@ def _shape(param) -> torch.Size:
 
 
 def _where(param) -> Optional[_Where]:
-    owner = getattr(param, "_zx_state", None)
-    if owner is None:
-        return None
-    opt = owner[0]()
-    return None if opt is None else _Where(opt, owner[1], owner[2])
+    """param's place, or None when no live engine steps it (frozen, or not in an engine)."""
+    engine = engine_of(param)
+    place = engine.optimizer.place_of(param) if engine is not None else None
+    return None if place is None else _Where(engine, *place)
 
 
 def _grads(w: _Where, what: str) -> torch.Tensor:
-    """This rank's fp32 gradient partition of w's group, reduced; after the lifecycle checks."""
-    opt = w.opt
-    if not opt.grads_valid:
-        raise RuntimeError(f"{what}: there are no gradients now. Gradients exist after engine.backward() and "
-                           "before the engine.step() that applies them (the step consumes and clears them).")
-    if opt.stage < 2 and not opt.at_boundary():
-        raise RuntimeError(f"{what}: in ZeRO stage {opt.stage} gradients are averaged across ranks only at the "
-                           "gradient-accumulation boundary; call it after the backward of the last micro step "
-                           "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
-    opt.ensure_reduced()
+    """This rank's fp32 gradient partition of w's group, reduced; after the engine's lifecycle checks."""
+    w.engine.gradients(what)
     return w.g.grad
 
 
@@ -205,7 +198,7 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
         w.real(w.g.master).copy_(w.fragment_of(value))
         if hasattr(w.g, "shards"):  # stage 3: the model's copy is the piece (and the full value if gathered)
             w.real(w.g.flat).copy_(w.fragment_of(value))
-            zp = getattr(param, "_zero_owner", None)
+            zp = zero_param_of(param)
             if zp is not None and zp.status.name == "AVAILABLE":
                 zp.full.copy_(value.view(zp.shape))
         else:

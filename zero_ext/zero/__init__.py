@@ -7,11 +7,22 @@
         ...                                          # full values inside, rank 0's changes kept
     zm = deepspeed.zero.ZeroModel(model)             # gather/release around every forward/backward
 
-Files, one noun each (docs/zero3.md has the design): status (enums), param (ZeroParam, the owner of
-one parameter), collectives (free functions), fetch (fetch/release, fetch-order agreement), convert
-(whole -> partitioned), external (external parameters), hooks (per-module hooks), model (ZeroModel),
-gathered (GatheredParameters), init (zero.Init), tree (walking inputs/outputs), utils (DeepSpeed names),
-tiling (TiledLinear).
+Files, one noun each (docs/zero3.md has the design):
+- status.py: the enums (ZeroParamStatus, TrainingPhase, FetchKind, TraceState).
+- param.py: ZeroParam, the one owner of a partitioned parameter.
+- collectives.py: the gathers and scatters, as free functions.
+- fetch.py: fetch/release and the fetch-order agreement between ranks.
+- convert.py: whole -> partitioned (zero.Init, ZeroModel).
+- init.py: zero.Init.
+- model.py: ZeroModel, the layer installed on one model.
+- hooks.py: the per-module forward/backward hooks.
+- coordinator.py: prefetch along the recorded fetch order; trace.py: that order (FetchEvent, Trace);
+  meter.py: GatherMeter, the elements gathered now and at most.
+- external.py: external parameters; gathered.py: GatheredParameters; leaf.py: leaf modules;
+  tiling.py: TiledLinear; unpartition.py: ``unpartition``.
+- tree.py: tensors inside a module's inputs and outputs; internal.py: zero_ext's own tensor work,
+  hidden from its TorchFunctionModes.
+- utils.py: DeepSpeed's ``deepspeed.runtime.zero.utils`` names.
 """
 from .convert import partition_module
 from .external import register_external_parameter, unregister_external_parameter

@@ -40,6 +40,7 @@ kept (GatheredParameters with ``modifier_rank=0``).
 import contextlib
 import functools
 import sys
+import types
 import warnings
 import weakref
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -51,6 +52,10 @@ from torch.nn.modules.module import (register_module_buffer_registration_hook,
 from torch.overrides import TorchFunctionMode
 
 from .. import comm
+from ..config import load_config
+from ..nvme.pieces import NVMePieces
+from ..nvme.store import NVMeStateStore
+from ..nvme.swap_dir import check_nvme_path
 from . import convert, internal
 from .gathered import GatheredParameters
 from .param import is_zero_param, zero_param_of
@@ -72,9 +77,11 @@ _FACTORIES = _DEVICE_FACTORIES | frozenset([
 
 # -- the patch table ----------------------------------------------------------------------------------
 
+_GATHERING = weakref.WeakSet()  # the wrappers _gather_around made (a wrapped fn is not wrapped again)
+
 def _gather_around(fn: Callable) -> Callable:
     """``fn(module)`` with the module's own ZeRO-3 parameters gathered, rank 0's result kept."""
-    if getattr(fn, "_zero_ext_gathering", False):
+    if isinstance(fn, types.FunctionType) and fn in _GATHERING:  # (other callables may not hash)
         return fn
 
     @functools.wraps(fn)
@@ -85,7 +92,7 @@ def _gather_around(fn: Callable) -> Callable:
         with GatheredParameters(params, modifier_rank=0):
             return fn(module)
 
-    gathering._zero_ext_gathering = True
+    _GATHERING.add(gathering)
     return gathering
 
 
@@ -175,10 +182,6 @@ class _InitSwap:
 
     def pieces(self):
         if self._pieces is None:
-            from ..nvme.swap_dir import check_nvme_path
-            from ..nvme.pieces import NVMePieces
-            from ..nvme.store import NVMeStateStore
-
             check_nvme_path(self.section.nvme_path)
             store = NVMeStateStore(self.section.nvme_path, self.section.buffer_count, aio=self.aio,
                                    pin_memory=self.section.pin_memory)
@@ -338,8 +341,6 @@ class Init(contextlib.ContextDecorator):
             convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device)
 
     def _read_config(self, source, remote_device, pin_memory, dtype):
-        from ..config import load_config
-
         cfg = load_config(source)
         zc = cfg.zero_optimization
         if zc.offload_param is not None and str(zc.offload_param.device) != "none":

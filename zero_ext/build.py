@@ -1,0 +1,258 @@
+"""The one builder: a checked config and model -> a ZeroEngine with everything it runs on.
+
+``initialize`` checks its arguments and the config, then calls :func:`build_engine`, which in order:
+
+1. places the model: stage 3 partitions it and installs the fetch/release hooks (``zero.ZeroModel``),
+   stages 0-2 move it to the device and dtype and broadcast rank 0's values;
+2. makes the base optimizer (the client's, or the config's: torch's, or the C one with optimizer
+   offload) and checks it;
+3. with ``offload_param.device = "nvme"`` opens the store of the 16-bit pieces;
+4. builds the ZeRO optimizer: flat groups (stages 0-2) or shard sub-groups (stage 3), the gradient
+   reducer, the loss scaler; with ``offload_optimizer.device = "nvme"`` its state store;
+5. hands all of it to ZeroEngine, which only runs it.
+
+The OffloadPlan is read from the config once, here, and given to everything that needs it.
+"""
+import logging
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .config import ConfigError
+from .engine import ZeroEngine
+from .nvme.pieces import NVMePieces
+from .nvme.store import NVMeStateStore
+from .nvme.swap_dir import check_nvme_path
+from .offload.plan import OffloadPlan
+from .optim.factory import (build_offload_optimizer, build_optimizer, check_client_optimizer,
+                            check_client_params, check_zero_optimizer, is_cpu_optimizer)
+from .optim.flat_group import FlatGroup
+from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
+from .optim.loss_scaler import scaler_from_config
+from .optim.schedulers import configure_lr_scheduler
+from .optim.shard_groups import ShardReducer, build_shard_groups
+from .optim.zero_optimizer import ZeroOptimizer
+from .zero import ZeroModel
+from .zero.leaf import apply_leaf_config
+from .zero.param import zero_param_of
+
+logger = logging.getLogger("zero_ext")
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, Any]], lr_scheduler=None,
+                 training_dataloader=None) -> ZeroEngine:
+    """The engine for ``model`` under the checked config ``cfg``. ``optimizer`` is the client's (a
+    torch optimizer or a callable taking ``groups``), or None: then the config's section, if any, builds
+    one (without either the engine runs forward only)."""
+    world, rank = comm.get_world_size(), comm.get_rank()
+    device = _device()
+    plan = OffloadPlan(cfg.zero_optimization)
+    zero_model = _place_model(model, cfg, device, world, plan)
+    base = _base_optimizer(model, cfg, optimizer, groups, plan)
+    nvme_pieces = None
+    if plan.param_device == "nvme":
+        nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
+    zopt = None
+    if base is not None:
+        zopt = _zero_optimizer(base, cfg, plan, zero_model, nvme_pieces, device, rank, world)
+        if plan.optimizer_device == "nvme":
+            _attach_nvme(zopt, cfg)
+    if nvme_pieces is not None:
+        _add_other_pieces(model, nvme_pieces)
+    scheduler = None
+    if base is not None:  # a client scheduler (object, or callable taking the optimizer) wins over the config's
+        scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, zopt, basic_optimizer=base)
+    engine = ZeroEngine(model, cfg, zopt, plan, device=device, zero_model=zero_model, nvme_pieces=nvme_pieces,
+                        lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
+                cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
+                cfg.gradient_accumulation_steps, world)
+    return engine
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", comm.get_local_rank())
+    return torch.device("cpu")
+
+
+# -- 1. the model -------------------------------------------------------------------------------------------
+
+def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan):
+    """Stage 3: the ZeroModel over the partitioned model; stages 0-2: None, the model on the device in
+    the training dtype, rank 0's values on every rank (replicas start equal even when scripts seed
+    each rank differently, as DeepSpeed does)."""
+    dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
+    if cfg.zero_optimization.stage == 3:
+        return _install_stage3(model, cfg, device, dtype, world, plan)
+    model.to(device)
+    if dtype is not None:
+        model.to(dtype)
+    if world > 1:
+        with torch.no_grad():
+            for t in list(model.parameters()) + list(model.buffers()):
+                dist.broadcast(t.data, src=0)
+    return None
+
+
+def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, world: int,
+                    plan: OffloadPlan) -> ZeroModel:
+    """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
+    under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
+    want = dtype or torch.float32
+    with torch.no_grad():
+        for p in model.parameters():
+            zp = zero_param_of(p)
+            if zp is not None:
+                if zp.dtype != want:
+                    raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
+                                     f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
+                                     "under zero.Init(config_dict_or_path=<the same config>) so they agree")
+            else:
+                p.data = p.data.to(device=device, dtype=want if p.is_floating_point() else p.dtype)
+        for m in model.modules():
+            for name, b in list(m.named_buffers(recurse=False)):
+                cast = want if b.is_floating_point() and dtype is not None else b.dtype
+                setattr(m, name, b.to(device=device, dtype=cast))
+                if world > 1:
+                    dist.broadcast(getattr(m, name), src=0)
+    zc = cfg.zero_optimization
+    leaf = zc.leaf_module
+    apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
+    # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
+    # costs one small all-gather per fetch, per prefetch batch once the fetch order is recorded:
+    # ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
+    check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
+    # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
+    return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
+                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
+                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
+                     prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
+                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings)
+
+
+# -- 2. the base optimizer ------------------------------------------------------------------------------------
+
+def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optional[torch.optim.Optimizer]:
+    if optimizer is None and cfg.optimizer is None:
+        return None  # a forward-only engine (e.g. a reference model)
+    if optimizer is None:
+        # with optimizer offload the engine builds the C optimizer itself (DeepSpeed's rule)
+        base = (build_offload_optimizer(cfg.optimizer, groups) if plan.optimizer else None) \
+            or build_optimizer(cfg.optimizer, groups)
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        base = optimizer
+        check_client_params(model, base)
+    elif callable(optimizer):
+        base = optimizer(groups)
+        if not isinstance(base, torch.optim.Optimizer):
+            raise TypeError(f"zero_ext.initialize: the optimizer callable returned {type(base).__name__}, not "
+                            "a torch.optim.Optimizer")
+    else:
+        raise TypeError(f"zero_ext.initialize: optimizer must be a torch.optim.Optimizer or a callable, not "
+                        f"{type(optimizer).__name__}")
+    check_zero_optimizer(base, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
+    if plan.optimizer and optimizer is not None:
+        check_client_optimizer(base, cfg.zero_force_ds_cpu_optimizer)
+    if plan.optimizer and plan.ratio < 1.0 and is_cpu_optimizer(base):
+        base.device_params = True  # the sub-groups kept on the accelerator step with torch operations
+    return base
+
+
+# -- 3./4. the ZeRO optimizer and its NVMe stores -------------------------------------------------------------
+
+def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
+    comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
+    return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
+
+
+def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
+                    world: int) -> ZeroOptimizer:
+    zc = cfg.zero_optimization
+    after_step = []
+    if zc.stage == 3:
+        on_group = (lambda k, g: _register_piece_group(nvme_pieces, cfg, k, g)) if nvme_pieces is not None else None
+        _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
+                                       on_group=on_group)
+        reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
+                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters)
+        after_step.append(zero_model.refresh_persistent)
+    else:
+        host = plan.host if plan.optimizer else None
+        groups: List[Optional[FlatGroup]] = []
+        for group in base.param_groups:
+            trainable = [p for p in group["params"] if p.requires_grad]
+            if not trainable:
+                groups.append(None)
+                group["params"] = []
+                continue
+            g = FlatGroup(trainable, world, rank, partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2,
+                          device=device, host=host)
+            group["params"] = [g.master]
+            groups.append(g)
+        flat = [g for g in groups if g is not None]
+        averaging = _averaging(cfg, world, flat[0].dtype)
+        if zc.stage == 2:
+            reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
+                                    rank, world, zc.ignore_unused_parameters, averaging)
+        else:
+            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
+    return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
+                         world, loss_scaler=scaler_from_config(cfg.fp16), after_step=after_step,
+                         nvme_pieces=nvme_pieces)
+
+
+def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:
+    """offload_optimizer.device = "nvme": masters and optimizer state go to swap files under nvme_path,
+    one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
+    oc = cfg.zero_optimization.offload_optimizer
+    # before any training: the directory works and has room for this rank's files (plus the padding
+    # of each file to a page)
+    need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
+    check_nvme_path(oc.nvme_path, need)
+    # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
+    # only keep copies (a stage-1/2 partition within sub_group_size is one group).
+    sub_group_size = cfg.zero_optimization.sub_group_size
+    groups = sum(len(opt.nvme_slices(g, sub_group_size)) for g in opt.flat_groups)
+    count = max(1, min(oc.buffer_count, groups))
+    store = NVMeStateStore(oc.nvme_path, count, aio=cfg.aio, pin_memory=oc.pin_memory)
+    opt.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init, sub_group_size)
+
+
+def _open_nvme_pieces(model, cfg, plan: OffloadPlan, has_optimizer: bool) -> NVMePieces:
+    """offload_param.device = "nvme" (stage 3): the 16-bit pieces go to swap files under its nvme_path —
+    one file per optimizer sub-group's piece buffer, written as the sub-group is made, and one per other
+    piece (frozen parameters, every piece of a forward-only engine) — and are read through buffer_count
+    host buffers when used. Pieces zero.Init(remote_device="nvme") already wrote stay in its files."""
+    pc = cfg.zero_optimization.offload_param
+    if has_optimizer and (not plan.optimizer or plan.ratio < 1.0):
+        raise ConfigError('zero_optimization.offload_param.device = "nvme" needs the optimizer offloaded whole: '
+                          'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
+    zps = list({id(z): z for z in map(zero_param_of, model.parameters()) if z}.values())
+    elem = next(iter(model.parameters())).element_size()
+    check_nvme_path(pc.nvme_path, sum(zp.shard_numel * elem + 4096 for zp in zps))
+    store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=cfg.aio, pin_memory=pc.pin_memory)
+    return NVMePieces(store, pc.max_in_cpu)
+
+
+def _register_piece_group(pieces: NVMePieces, cfg, k: int, g) -> None:
+    """build_shard_groups' callback: sub-group k's piece buffer to its swap file, its host memory freed."""
+    pc = cfg.zero_optimization.offload_param
+    if g.flat.numel() > pc.buffer_size:
+        raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
+                          f"than sub-group {k}'s pieces ({g.flat.numel()} elements): raise buffer_size, or "
+                          "lower zero_optimization.sub_group_size")
+    pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
+
+
+def _add_other_pieces(model, pieces: NVMePieces) -> None:
+    """The pieces no sub-group holds (frozen; all of a forward-only engine), unless zero.Init put them
+    on NVMe already."""
+    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
+        if zp.piece_io is None and not pieces.holds(zp):
+            pieces.add_piece(("piece", zp.ds_id), zp)
