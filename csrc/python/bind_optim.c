@@ -23,14 +23,14 @@ static zx_optim_tensor *optim_tensors(PyObject *params, PyObject *grads, PyObjec
 	int64_t *ptr[5] = { NULL };
 	zx_optim_tensor *t = NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(numels, &n, "numels");
+	int64_t *numel = zx_int64_array(numels, &n, "numels");
 	if (!numel)
 		return NULL;
 	for (int k = 0; k < 5; k++) {
 		if (seqs[k] == Py_None)
 			continue;
 		Py_ssize_t len;
-		ptr[k] = int64_array(seqs[k], &len, names[k]);
+		ptr[k] = zx_int64_array(seqs[k], &len, names[k]);
 		if (!ptr[k])
 			goto done;
 		if (len != n) {

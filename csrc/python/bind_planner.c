@@ -60,7 +60,7 @@ static PyObject *py_flat_layout(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLL:flat_layout", &seq, &world, &align))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
 	int64_t *offset = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
@@ -72,7 +72,7 @@ static PyObject *py_flat_layout(PyObject *self, PyObject *args)
 	if (padded < 0) {
 		zx_raise(padded, "flat_layout");
 	} else {
-		PyObject *offsets = int64_list(offset, n);
+		PyObject *offsets = zx_int64_list(offset, n);
 		if (offsets)
 			result = Py_BuildValue("(LN)", (long long)padded, offsets);
 	}
@@ -92,7 +92,7 @@ static PyObject *py_flat_fragments(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLLL:flat_fragments", &seq, &world, &align, &rank))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
 	ZX_PIECES(zx_flat_fragments(numel, n, world, align, rank, out, cap), "flat_fragments");
@@ -112,10 +112,10 @@ static PyObject *py_flat_bucket_pieces(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLLO:flat_bucket_pieces", &seq, &world, &align, &oseq))
 		return NULL;
 	Py_ssize_t n, count = 0;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
-	int64_t *order = int64_array(oseq, &count, "order");
+	int64_t *order = zx_int64_array(oseq, &count, "order");
 	if (order) {
 		ZX_PIECES(zx_flat_bucket_pieces(numel, n, world, align, order, count, out, cap),
 			  "flat_bucket_pieces");
@@ -171,7 +171,7 @@ static PyObject *py_sub_groups(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLL:sub_groups", &seq, &world, &size))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
 	int64_t *group_of = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
@@ -180,7 +180,7 @@ static PyObject *py_sub_groups(PyObject *self, PyObject *args)
 		return PyErr_NoMemory();
 	}
 	int64_t groups = zx_sub_groups(numel, n, world, size, group_of);
-	result = groups < 0 ? zx_raise(groups, "sub_groups") : int64_list(group_of, n);
+	result = groups < 0 ? zx_raise(groups, "sub_groups") : zx_int64_list(group_of, n);
 	PyMem_Free(numel);
 	PyMem_Free(group_of);
 	return result;
@@ -198,10 +198,10 @@ static PyObject *py_shard_bucket_pieces(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLO:shard_bucket_pieces", &seq, &world, &oseq))
 		return NULL;
 	Py_ssize_t n, count = 0;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
-	int64_t *order = int64_array(oseq, &count, "order");
+	int64_t *order = zx_int64_array(oseq, &count, "order");
 	int64_t block = 0;
 	if (order) {
 		ZX_PIECES(zx_shard_bucket_pieces(numel, n, world, order, count, &block, out, cap),
@@ -225,12 +225,12 @@ static PyObject *py_buckets(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OL|O:buckets", &seq, &size, &oseq))
 		return NULL;
 	Py_ssize_t n, count = 0;
-	int64_t *sizes = int64_array(seq, &n, "sizes");
+	int64_t *sizes = zx_int64_array(seq, &n, "sizes");
 	if (!sizes)
 		return NULL;
 	int64_t *order = NULL;
 	if (oseq != Py_None) {
-		order = int64_array(oseq, &count, "order");
+		order = zx_int64_array(oseq, &count, "order");
 		if (!order)
 			goto done;
 		if (count != n) {
@@ -244,7 +244,7 @@ static PyObject *py_buckets(PyObject *self, PyObject *args)
 		goto done;
 	}
 	int64_t nb = zx_buckets(sizes, n, order, size, bucket_of);
-	result = nb < 0 ? zx_raise(nb, "buckets") : int64_list(bucket_of, n);
+	result = nb < 0 ? zx_raise(nb, "buckets") : zx_int64_list(bucket_of, n);
 	PyMem_Free(bucket_of);
 done:
 	PyMem_Free(order);
