@@ -27,7 +27,7 @@
  * The queue (all under aio->lock) */
 
 /* Takes the next piece of the oldest queued op into r. Returns 1, or 0 when nothing is queued. */
-int aio_claim(struct zx_aio *aio, struct zx_aio_req *r)
+int zx_aio_claim(struct zx_aio *aio, struct zx_aio_req *r)
 {
 	struct zx_aio_op *op = aio->qhead;
 	if (!op)
@@ -98,7 +98,7 @@ static void op_finished_check(struct zx_aio *aio, struct zx_aio_op *op)
 }
 
 /* Books a finished request on its op. A failure cancels the op's pieces not yet taken. */
-void aio_finish(struct zx_aio *aio, struct zx_aio_req *r)
+void zx_aio_finish(struct zx_aio *aio, struct zx_aio_req *r)
 {
 	struct zx_aio_op *op = r->op;
 	if (r->error && !op->res.error) {
@@ -121,7 +121,7 @@ void aio_finish(struct zx_aio *aio, struct zx_aio_req *r)
  * needs another attempt, 0 when r is finished (r->error tells how). A partial transfer is retried
  * while it stays page-aligned (O_DIRECT needs that); a full file system answers the retry with
  * -ENOSPC. No progress at all is a short read (end of file) or a short write. */
-int aio_progress(struct zx_aio_req *r, int64_t res)
+int zx_aio_progress(struct zx_aio_req *r, int64_t res)
 {
 	if (res == -EINTR || res == -EAGAIN) {
 		if (++r->retries < ZX_AIO_MAX_RETRIES)
@@ -143,7 +143,7 @@ int aio_progress(struct zx_aio_req *r, int64_t res)
 }
 
 /* After a read's tail went into the bounce page, copies the bytes asked for to the caller. */
-void aio_complete_tail(struct zx_aio_req *r)
+void zx_aio_complete_tail(struct zx_aio_req *r)
 {
 	struct zx_aio_op *op = r->op;
 	if (!r->error && !op->write && r->buf == op->bounce)
@@ -161,7 +161,7 @@ static void *aio_threads_main(void *arg)
 
 	pthread_mutex_lock(&aio->lock);
 	for (;;) {
-		if (!aio_claim(aio, r)) {
+		if (!zx_aio_claim(aio, r)) {
 			if (aio->stopping)
 				break;
 			pthread_cond_wait(&aio->work, &aio->lock);
@@ -175,10 +175,10 @@ static void *aio_threads_main(void *arg)
 			ssize_t got = r->op->write ? pwrite(r->op->fd, r->buf + r->done, len, off)
 						   : pread(r->op->fd, r->buf + r->done, len, off);
 			res = got < 0 ? -errno : got;
-		} while (aio_progress(r, res));
-		aio_complete_tail(r);
+		} while (zx_aio_progress(r, res));
+		zx_aio_complete_tail(r);
 		pthread_mutex_lock(&aio->lock);
-		aio_finish(aio, r);
+		zx_aio_finish(aio, r);
 	}
 	pthread_mutex_unlock(&aio->lock);
 	return NULL;
@@ -224,7 +224,7 @@ static int start_workers(struct zx_aio *aio)
 	pthread_sigmask(SIG_SETMASK, &all, &old);
 	int rc = 0;
 #if ZX_HAVE_URING
-	void *(*fn)(void *) = aio->backend == ZX_AIO_URING ? aio_uring_main : aio_threads_main;
+	void *(*fn)(void *) = aio->backend == ZX_AIO_URING ? zx_aio_uring_main : aio_threads_main;
 #else
 	void *(*fn)(void *) = aio_threads_main;
 #endif

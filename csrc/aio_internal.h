@@ -94,14 +94,14 @@ struct zx_aio {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The queue (aio.c), all under aio->lock but aio_progress and aio_complete_tail, which work on one
+/* The queue (aio.c), all under aio->lock but zx_aio_progress and zx_aio_complete_tail, which work on one
  * request outside it. */
-int aio_claim(struct zx_aio *aio, struct zx_aio_req *r);
-void aio_finish(struct zx_aio *aio, struct zx_aio_req *r);
-int aio_progress(struct zx_aio_req *r, int64_t res);
-void aio_complete_tail(struct zx_aio_req *r);
+int zx_aio_claim(struct zx_aio *aio, struct zx_aio_req *r);
+void zx_aio_finish(struct zx_aio *aio, struct zx_aio_req *r);
+int zx_aio_progress(struct zx_aio_req *r, int64_t res);
+void zx_aio_complete_tail(struct zx_aio_req *r);
 
 /* The io_uring worker's thread (aio_uring.c). */
-void *aio_uring_main(void *arg);
+void *zx_aio_uring_main(void *arg);
 
 #endif /* ZX_AIO_INTERNAL_H */

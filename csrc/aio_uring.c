@@ -111,7 +111,7 @@ static int ring_flush(struct zx_aio_worker *w, unsigned wait_nr)
 
 static void retire(struct zx_aio_worker *w, struct zx_aio_req *r)
 {
-	aio_complete_tail(r);
+	zx_aio_complete_tail(r);
 	r->next = w->finished;
 	w->finished = r;
 }
@@ -146,7 +146,7 @@ static void ring_reap(struct zx_aio_worker *w, int all)
 			struct zx_aio_req *r = io_uring_cqe_get_data(cqe);
 			int res = cqe->res;
 			io_uring_cqe_seen(&w->ring, cqe);
-			if (aio_progress(r, res)) {
+			if (zx_aio_progress(r, res)) {
 				ring_prep(w, r);
 				int frc = ring_flush(w, 0);
 				if (frc)
@@ -176,7 +176,7 @@ static int ring_setup(struct zx_aio_worker *w, unsigned depth)
 	return rc;
 }
 
-void *aio_uring_main(void *arg)
+void *zx_aio_uring_main(void *arg)
 {
 	struct zx_aio_worker *w = arg;
 	struct zx_aio *aio = w->aio;
@@ -197,7 +197,7 @@ void *aio_uring_main(void *arg)
 		while (w->finished) {
 			struct zx_aio_req *r = w->finished;
 			w->finished = r->next;
-			aio_finish(aio, r);
+			zx_aio_finish(aio, r);
 			r->next = w->free;
 			w->free = r;
 		}
@@ -209,7 +209,7 @@ void *aio_uring_main(void *arg)
 		}
 		/* lock-step (overlap_events off): a new batch only once the last one is complete */
 		if (!switching && (aio->p.overlap_events || w->inflight == 0)) {
-			while (w->free && w->inflight + n < depth && aio_claim(aio, w->free)) {
+			while (w->free && w->inflight + n < depth && zx_aio_claim(aio, w->free)) {
 				batch[n++] = w->free;
 				w->free = w->free->next;
 			}

@@ -1,8 +1,9 @@
 /* cpu_adam.c - Adam and AdamW on fp32 master state: the portable scalar reference, and the AVX2
  * and AVX-512 paths beside it, chosen at run time (see cpu_features.h).
  *
- * Owns: Adam's per-element arithmetic and its specialisations (L2 or decoupled decay, with or
- * without the bf16/fp16 copy-out). Does not own: tiling and threads (cpu_optim.c), state
+ * Owns: Adam's per-element arithmetic and the flags its loops are specialised on (L2 or decoupled
+ * decay, division by bc2). Does not own: the vector loops, the bf16/fp16 copy-out and the
+ * specialisation machinery (cpu_optim.h), tiling, threads and the ISA choice (cpu_optim.c), state
  * allocation or step counting (zero_ext/ops/adam.py).
  *
  * The arithmetic is torch.optim.Adam's single-tensor code, one rounding per torch operation, with
@@ -41,9 +42,6 @@
 #include <math.h>
 
 #include "cpu_optim.h"
-
-/* Vectors of each array per block of the AVX2 loop. */
-#define ADAM_BLOCK 8
 
 /* Hyperparameters, rounded to fp32 from the double values torch computes in Python. */
 struct adam_ctx {
@@ -122,243 +120,85 @@ static void adam_span_scalar(const void *ctx, const zx_optim_tensor *t, int64_t 
 
 #if ZX_HAVE_X86
 /* ---------------------------------------------------------------------------------------------------
- * AVX2 + FMA: 8 lanes, blocks of ADAM_BLOCK vectors, the tail through a mask */
+ * AVX2 and AVX-512: the arithmetic on one vector; the loops around it are cpu_optim.h's, with
+ * Adam's flags as their `spec`. */
 
-struct adam_v8 {
-	__m256 grad_scale, wd, decay, w1, m_from_g, b2, w2, eps, neg_step;
-	__m256d inv_bc2;
-	int stream; /* this span streams its copy */
-};
+enum { ADAM_L2 = 1, ADAM_DIV_BC2 = 2 };
 
-#define ZX_INLINE static inline __attribute__((always_inline))
-
-/* Calls loop(c, t, b, e, l2, dbc, odt) with l2, dbc and odt as constants, one specialisation each. */
-#define ADAM_ODT(loop, c, t, b, e, L2, DBC, odt)                                                    \
-	do {                                                                                        \
-		if ((odt) == ZX_BF16)                                                               \
-			loop(c, t, b, e, L2, DBC, ZX_BF16);                                         \
-		else if ((odt) == ZX_F16)                                                           \
-			loop(c, t, b, e, L2, DBC, ZX_F16);                                          \
-		else                                                                                \
-			loop(c, t, b, e, L2, DBC, -1);                                              \
-	} while (0)
-#define ADAM_DISPATCH(loop, c, t, b, e, odt)                                                        \
-	do {                                                                                        \
-		if ((c)->l2 && (c)->div_bc2)                                                        \
-			ADAM_ODT(loop, c, t, b, e, 1, 1, odt);                                      \
-		else if ((c)->l2)                                                                   \
-			ADAM_ODT(loop, c, t, b, e, 1, 0, odt);                                      \
-		else if ((c)->div_bc2)                                                              \
-			ADAM_ODT(loop, c, t, b, e, 0, 1, odt);                                      \
-		else                                                                                \
-			ADAM_ODT(loop, c, t, b, e, 0, 0, odt);                                      \
-	} while (0)
-
-/* Adam on one vector of 8 lanes of each array, in registers. */
-ZX_TARGET_AVX2 ZX_INLINE void adam8_math(const struct adam_v8 *k, __m256 *P, __m256 g, __m256 *M,
-					 __m256 *V, const int l2, const int dbc)
+static int adam_spec(const struct adam_ctx *c)
 {
-	__m256 p = *P, m = *M, v = *V;
-	g = _mm256_mul_ps(g, k->grad_scale);
-	if (l2)
-		g = _mm256_fmadd_ps(k->wd, p, g);
+	return (c->l2 ? ADAM_L2 : 0) | (c->div_bc2 ? ADAM_DIV_BC2 : 0);
+}
+
+ZX_TARGET_AVX2 ZX_INLINE void adam_math8(const void *ctx, zx_vec8 *x, const int spec)
+{
+	const struct adam_ctx *c = ctx;
+	__m256 p = x->p, g = x->g, m = x->m, v = x->v;
+	g = _mm256_mul_ps(g, _mm256_set1_ps(c->grad_scale));
+	if (spec & ADAM_L2)
+		g = _mm256_fmadd_ps(_mm256_set1_ps(c->wd), p, g);
 	else
-		p = _mm256_mul_ps(p, k->decay);
-	m = _mm256_fmadd_ps(k->w1, _mm256_sub_ps(g, m), _mm256_blendv_ps(m, g, k->m_from_g));
-	v = _mm256_fmadd_ps(_mm256_mul_ps(k->w2, g), g, _mm256_mul_ps(v, k->b2));
+		p = _mm256_mul_ps(p, _mm256_set1_ps(c->decay));
+	__m256 m_from_g = _mm256_castsi256_ps(_mm256_set1_epi32(c->m_from_g ? -1 : 0));
+	m = _mm256_fmadd_ps(_mm256_set1_ps(c->w1), _mm256_sub_ps(g, m), _mm256_blendv_ps(m, g, m_from_g));
+	v = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c->w2), g), g,
+			    _mm256_mul_ps(v, _mm256_set1_ps(c->b2)));
 	__m256 d = _mm256_sqrt_ps(v);
-	if (dbc) { /* d / bc2, in double: exact, and off the divider */
+	if (spec & ADAM_DIV_BC2) { /* d / bc2, in double: exact, and off the divider */
+		const __m256d inv_bc2 = _mm256_set1_pd(c->inv_bc2);
 		__m128 lo = _mm256_castps256_ps128(d), hi = _mm256_extractf128_ps(d, 1);
-		lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(lo), k->inv_bc2));
-		hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(hi), k->inv_bc2));
+		lo = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(lo), inv_bc2));
+		hi = _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_cvtps_pd(hi), inv_bc2));
 		d = _mm256_set_m128(hi, lo);
 	}
-	d = _mm256_add_ps(d, k->eps);
-	*P = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(k->neg_step, m), d));
-	*M = m;
-	*V = v;
-}
-
-/* A block of ADAM_BLOCK vectors of 8 at offset i: loads, arithmetic, stores. */
-ZX_TARGET_AVX2 ZX_INLINE void adam8_block(const struct adam_v8 *k, const zx_optim_tensor *t,
-					  int64_t i, const int l2, const int dbc, const int odt)
-{
-	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
-	const float *gp = t->grad + i;
-	__m256 P[ADAM_BLOCK], G[ADAM_BLOCK], M[ADAM_BLOCK], V[ADAM_BLOCK];
-	zx_prefetch_adam(t, i, ADAM_BLOCK * 8);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		G[u] = _mm256_loadu_ps(gp + 8 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		M[u] = _mm256_loadu_ps(mp + 8 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		V[u] = _mm256_loadu_ps(vp + 8 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		P[u] = _mm256_loadu_ps(pp + 8 * u);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		adam8_math(k, &P[u], G[u], &M[u], &V[u], l2, dbc);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm256_storeu_ps(pp + 8 * u, P[u]);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm256_storeu_ps(mp + 8 * u, M[u]);
-	for (int u = 0; u < ADAM_BLOCK; u++)
-		_mm256_storeu_ps(vp + 8 * u, V[u]);
-	if (odt >= 0)
-		for (int u = 0; u < ADAM_BLOCK; u++)
-			zx_store16x8((uint16_t *)t->out + i + 8 * u, zx_to16x8(P[u], odt), k->stream);
-}
-
-/* One vector of 8 at offset i; tail != 0: only the lanes in mask (the last r < 8 elements). */
-ZX_TARGET_AVX2 ZX_INLINE void adam8(const struct adam_v8 *k, const zx_optim_tensor *t, int64_t i,
-				    const int l2, const int dbc, const int odt, const int tail,
-				    __m256i mask, int64_t r)
-{
-	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
-	const float *gp = t->grad + i;
-	__m256 p, g, m, v;
-	if (tail) {
-		p = _mm256_maskload_ps(pp, mask);
-		g = _mm256_maskload_ps(gp, mask);
-		m = _mm256_maskload_ps(mp, mask);
-		v = _mm256_maskload_ps(vp, mask);
-	} else {
-		p = _mm256_loadu_ps(pp);
-		g = _mm256_loadu_ps(gp);
-		m = _mm256_loadu_ps(mp);
-		v = _mm256_loadu_ps(vp);
-	}
-	adam8_math(k, &p, g, &m, &v, l2, dbc);
-	if (tail) {
-		_mm256_maskstore_ps(pp, mask, p);
-		_mm256_maskstore_ps(mp, mask, m);
-		_mm256_maskstore_ps(vp, mask, v);
-		if (odt >= 0)
-			zx_store16_tail((uint16_t *)t->out + i, zx_to16x8(p, odt), r);
-	} else {
-		_mm256_storeu_ps(pp, p);
-		_mm256_storeu_ps(mp, m);
-		_mm256_storeu_ps(vp, v);
-		if (odt >= 0)
-			zx_store16x8((uint16_t *)t->out + i, zx_to16x8(p, odt), k->stream);
-	}
-}
-
-ZX_TARGET_AVX2 ZX_INLINE void adam_loop_avx2(const struct adam_ctx *c, const zx_optim_tensor *t,
-					     int64_t b, int64_t e, const int l2, const int dbc,
-					     const int odt)
-{
-	const struct adam_v8 k = {
-		.grad_scale = _mm256_set1_ps(c->grad_scale),
-		.wd = _mm256_set1_ps(c->wd),
-		.decay = _mm256_set1_ps(c->decay),
-		.w1 = _mm256_set1_ps(c->w1),
-		.m_from_g = _mm256_castsi256_ps(_mm256_set1_epi32(c->m_from_g ? -1 : 0)),
-		.b2 = _mm256_set1_ps(c->b2),
-		.w2 = _mm256_set1_ps(c->w2),
-		.inv_bc2 = _mm256_set1_pd(c->inv_bc2),
-		.eps = _mm256_set1_ps(c->eps),
-		.neg_step = _mm256_set1_ps(c->neg_step),
-		.stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 16),
-	};
-	const __m256i all = _mm256_set1_epi32(-1);
-	int64_t i = b;
-	for (; i + 8 * ADAM_BLOCK <= e; i += 8 * ADAM_BLOCK)
-		adam8_block(&k, t, i, l2, dbc, odt);
-	for (; i + 8 <= e; i += 8)
-		adam8(&k, t, i, l2, dbc, odt, 0, all, 8);
-	if (i < e)
-		adam8(&k, t, i, l2, dbc, odt, 1, zx_tail_mask8(e - i), e - i);
-	if (k.stream)
-		_mm_sfence(); /* the copy is complete before the caller (or DMA) reads it */
+	d = _mm256_add_ps(d, _mm256_set1_ps(c->eps));
+	x->p = _mm256_add_ps(p, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->neg_step), m), d));
+	x->m = m;
+	x->v = v;
 }
 
 ZX_TARGET_AVX2 static void adam_span_avx2(const void *ctx, const zx_optim_tensor *t, int64_t b,
 					  int64_t e, double *acc)
 {
-	const struct adam_ctx *c = ctx;
-	int odt = t->out ? c->out_dtype : -1;
-	ADAM_DISPATCH(adam_loop_avx2, c, t, b, e, odt);
+	const struct adam_ctx c = *(const struct adam_ctx *)ctx; /* a copy no store can alias */
+	zx_span8(t, b, e, adam_math8, &c, ZX_NEED_ALL, adam_spec(&c), c.out_dtype, c.stream);
 }
 
-/* ---------------------------------------------------------------------------------------------------
- * AVX-512: 16 lanes, one vector (a cache line of each array) per iteration, the tail through a mask */
-
-struct adam_v16 {
-	__m512 grad_scale, wd, decay, w1, b2, w2, eps, neg_step;
-	__m512d inv_bc2;
-	__mmask16 m_from_g;
-	int stream; /* this span streams its copy */
-};
-
-/* One vector of 16 at offset i, only the lanes in mask. */
-ZX_TARGET_AVX512 ZX_INLINE void adam16(const struct adam_v16 *k, const zx_optim_tensor *t,
-				       int64_t i, const int l2, const int dbc, const int odt,
-				       __mmask16 mask)
+ZX_TARGET_AVX512 ZX_INLINE void adam_math16(const void *ctx, zx_vec16 *x, const int spec)
 {
-	float *pp = t->param + i, *mp = t->exp_avg + i, *vp = t->exp_avg_sq + i;
-	__m512 p = _mm512_maskz_loadu_ps(mask, pp);
-	__m512 g = _mm512_maskz_loadu_ps(mask, t->grad + i);
-	__m512 m = _mm512_maskz_loadu_ps(mask, mp);
-	__m512 v = _mm512_maskz_loadu_ps(mask, vp);
-	g = _mm512_mul_ps(g, k->grad_scale);
-	if (l2)
-		g = _mm512_fmadd_ps(k->wd, p, g);
+	const struct adam_ctx *c = ctx;
+	__m512 p = x->p, g = x->g, m = x->m, v = x->v;
+	g = _mm512_mul_ps(g, _mm512_set1_ps(c->grad_scale));
+	if (spec & ADAM_L2)
+		g = _mm512_fmadd_ps(_mm512_set1_ps(c->wd), p, g);
 	else
-		p = _mm512_mul_ps(p, k->decay);
-	m = _mm512_fmadd_ps(k->w1, _mm512_sub_ps(g, m), _mm512_mask_blend_ps(k->m_from_g, m, g));
-	v = _mm512_fmadd_ps(_mm512_mul_ps(k->w2, g), g, _mm512_mul_ps(v, k->b2));
+		p = _mm512_mul_ps(p, _mm512_set1_ps(c->decay));
+	__mmask16 m_from_g = c->m_from_g ? (__mmask16)0xffff : 0;
+	m = _mm512_fmadd_ps(_mm512_set1_ps(c->w1), _mm512_sub_ps(g, m),
+			    _mm512_mask_blend_ps(m_from_g, m, g));
+	v = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c->w2), g), g,
+			    _mm512_mul_ps(v, _mm512_set1_ps(c->b2)));
 	__m512 d = _mm512_sqrt_ps(v);
-	if (dbc) { /* d / bc2, in double: exact, and off the divider */
+	if (spec & ADAM_DIV_BC2) { /* d / bc2, in double: exact, and off the divider */
+		const __m512d inv_bc2 = _mm512_set1_pd(c->inv_bc2);
 		__m256 lo = _mm512_castps512_ps256(d);
 		__m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1));
-		lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(lo), k->inv_bc2));
-		hi = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(hi), k->inv_bc2));
+		lo = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(lo), inv_bc2));
+		hi = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtps_pd(hi), inv_bc2));
 		d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)),
 							_mm256_castps_pd(hi), 1));
 	}
-	d = _mm512_add_ps(d, k->eps);
-	p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(k->neg_step, m), d));
-	_mm512_mask_storeu_ps(pp, mask, p);
-	_mm512_mask_storeu_ps(mp, mask, m);
-	_mm512_mask_storeu_ps(vp, mask, v);
-	if (odt >= 0)
-		zx_store16x16((uint16_t *)t->out + i, zx_to16x16(p, odt), mask, k->stream);
-}
-
-ZX_TARGET_AVX512 ZX_INLINE void adam_loop_avx512(const struct adam_ctx *c,
-						 const zx_optim_tensor *t, int64_t b, int64_t e,
-						 const int l2, const int dbc, const int odt)
-{
-	const struct adam_v16 k = {
-		.grad_scale = _mm512_set1_ps(c->grad_scale),
-		.wd = _mm512_set1_ps(c->wd),
-		.decay = _mm512_set1_ps(c->decay),
-		.w1 = _mm512_set1_ps(c->w1),
-		.b2 = _mm512_set1_ps(c->b2),
-		.w2 = _mm512_set1_ps(c->w2),
-		.inv_bc2 = _mm512_set1_pd(c->inv_bc2),
-		.eps = _mm512_set1_ps(c->eps),
-		.neg_step = _mm512_set1_ps(c->neg_step),
-		.m_from_g = c->m_from_g ? (__mmask16)0xffff : 0,
-		.stream = odt >= 0 && zx_stream_span(c->stream, t->out, b, 32),
-	};
-	int64_t i = b;
-	for (; i + 16 <= e; i += 16) { /* a vector is a cache line of each array */
-		zx_prefetch_adam(t, i, 16);
-		adam16(&k, t, i, l2, dbc, odt, 0xffff);
-	}
-	if (i < e)
-		adam16(&k, t, i, l2, dbc, odt, zx_tail_mask16(e - i));
-	if (k.stream)
-		_mm_sfence(); /* the copy is complete before the caller (or DMA) reads it */
+	d = _mm512_add_ps(d, _mm512_set1_ps(c->eps));
+	x->p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(c->neg_step), m), d));
+	x->m = m;
+	x->v = v;
 }
 
 ZX_TARGET_AVX512 static void adam_span_avx512(const void *ctx, const zx_optim_tensor *t,
 					      int64_t b, int64_t e, double *acc)
 {
-	const struct adam_ctx *c = ctx;
-	int odt = t->out ? c->out_dtype : -1;
-	ADAM_DISPATCH(adam_loop_avx512, c, t, b, e, odt);
+	const struct adam_ctx c = *(const struct adam_ctx *)ctx; /* a copy no store can alias */
+	zx_span16(t, b, e, adam_math16, &c, ZX_NEED_ALL, adam_spec(&c), c.out_dtype, c.stream);
 }
 #endif /* ZX_HAVE_X86 */
 
@@ -368,25 +208,14 @@ ZX_TARGET_AVX512 static void adam_span_avx512(const void *ctx, const zx_optim_te
 int zx_adam_step(const zx_adam_config *cfg, const zx_optim_tensor *t, int64_t ntensors,
 		 int out_dtype, int isa)
 {
-	int level = zx_optim_isa(isa);
-	if (level < 0)
-		return level;
 	if (!cfg || cfg->step < 1)
 		return -EINVAL;
-	int rc = zx_optim_check(t, ntensors,
-				ZX_NEED_PARAM | ZX_NEED_GRAD | ZX_NEED_EXP_AVG | ZX_NEED_EXP_AVG_SQ,
-				out_dtype);
+	int rc = zx_optim_check(t, ntensors, ZX_NEED_ALL, out_dtype);
 	if (rc)
 		return rc;
 	struct adam_ctx c;
 	adam_ctx_init(&c, cfg, out_dtype);
 	c.stream = zx_optim_numel(t, ntensors) >= ZX_STREAM_MIN;
-	zx_span_fn fn = adam_span_scalar;
-#if ZX_HAVE_X86
-	if (level == ZX_SIMD_AVX512)
-		fn = adam_span_avx512;
-	else if (level == ZX_SIMD_AVX2)
-		fn = adam_span_avx2;
-#endif
-	return zx_optim_run(t, ntensors, fn, &c, NULL);
+	static const zx_spans spans = ZX_SPANS(adam_span);
+	return zx_optim_run_isa(t, ntensors, &spans, isa, &c, NULL);
 }

@@ -127,13 +127,17 @@ int zx_optim_run(const zx_optim_tensor *t, int64_t n, zx_span_fn fn, const void 
 	return 0;
 }
 
-int zx_optim_isa(int isa)
+int zx_optim_run_isa(const zx_optim_tensor *t, int64_t n, const zx_spans *spans, int isa,
+		     const void *ctx, double *sum)
 {
 	if (isa < 0)
-		return (int)zx_simd_level();
-	if (isa > (int)zx_simd_supported())
+		isa = (int)zx_simd_level();
+	else if (isa > (int)zx_simd_supported())
 		return -EINVAL;
-	return isa;
+	zx_span_fn fn = isa == ZX_SIMD_AVX512 ? spans->avx512
+			: isa == ZX_SIMD_AVX2 ? spans->avx2
+					      : spans->scalar;
+	return zx_optim_run(t, n, fn, ctx, sum);
 }
 
 static int misaligned(const void *p, uintptr_t align)
@@ -314,9 +318,6 @@ ZX_TARGET_AVX512 static void sqnorm_span_avx512(const void *ctx, const zx_optim_
 
 int zx_grad_sqnorm(float *dst, const void *src, int src_dtype, int64_t n, int isa, double *sumsq)
 {
-	int level = zx_optim_isa(isa);
-	if (level < 0)
-		return level;
 	if (!sumsq || n < 0 || (n > 0 && !src) || zx_dtype_size(src_dtype) == 0)
 		return -EINVAL;
 	if (src_dtype != ZX_F32 && src_dtype != ZX_BF16 && src_dtype != ZX_F16)
@@ -325,14 +326,8 @@ int zx_grad_sqnorm(float *dst, const void *src, int src_dtype, int64_t n, int is
 		return -EINVAL;
 	zx_optim_tensor t = { .param = dst, .grad = src, .numel = n };
 	struct sqnorm_ctx c = { .src_dtype = src_dtype };
-	zx_span_fn fn = sqnorm_span_scalar;
-#if ZX_HAVE_X86
-	if (level == ZX_SIMD_AVX512)
-		fn = sqnorm_span_avx512;
-	else if (level == ZX_SIMD_AVX2)
-		fn = sqnorm_span_avx2;
-#endif
-	return zx_optim_run(&t, 1, fn, &c, sumsq);
+	static const zx_spans spans = ZX_SPANS(sqnorm_span);
+	return zx_optim_run_isa(&t, 1, &spans, isa, &c, sumsq);
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -387,21 +382,12 @@ ZX_TARGET_AVX512 static void cast_span_avx512(const void *ctx, const zx_optim_te
 
 int zx_cast_f32(void *dst, int dst_dtype, const float *src, int64_t n, int isa)
 {
-	int level = zx_optim_isa(isa);
-	if (level < 0)
-		return level;
 	if (n < 0 || (n > 0 && (!dst || !src)) || (dst_dtype != ZX_BF16 && dst_dtype != ZX_F16) ||
 	    ((uintptr_t)dst & 1) || ((uintptr_t)src & 3))
 		return -EINVAL;
 	/* param is only read here; the driver's tensor type has no const source field */
 	zx_optim_tensor t = { .param = (float *)src, .out = dst, .numel = n };
 	struct cast_ctx c = { .dtype = dst_dtype, .stream = n >= ZX_STREAM_MIN };
-	zx_span_fn fn = cast_span_scalar;
-#if ZX_HAVE_X86
-	if (level == ZX_SIMD_AVX512)
-		fn = cast_span_avx512;
-	else if (level == ZX_SIMD_AVX2)
-		fn = cast_span_avx2;
-#endif
-	return zx_optim_run(&t, 1, fn, &c, NULL);
+	static const zx_spans spans = ZX_SPANS(cast_span);
+	return zx_optim_run_isa(&t, 1, &spans, isa, &c, NULL);
 }

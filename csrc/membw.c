@@ -45,7 +45,7 @@ ZX_TARGET_AVX2 static void membw_span_avx2(const void *ctx, const zx_optim_tenso
 	const int stream = zx_stream_span(*(const int *)ctx, o, b, 16);
 	int64_t i = b;
 	for (; i + 16 <= e; i += 16) { /* a line of each array per iteration */
-		zx_prefetch_adam(t, i, 16);
+		zx_prefetch(t, i, 16, ZX_NEED_ALL);
 		membw8(t, i, o, stream);
 		membw8(t, i + 8, o, stream);
 	}
@@ -63,7 +63,7 @@ ZX_TARGET_AVX512 static void membw_span_avx512(const void *ctx, const zx_optim_t
 	const int stream = zx_stream_span(*(const int *)ctx, o, b, 32);
 	for (int64_t i = b; i < e; i += 16) {
 		__mmask16 k = e - i >= 16 ? (__mmask16)0xffff : zx_tail_mask16(e - i);
-		zx_prefetch_adam(t, i, 16);
+		zx_prefetch(t, i, 16, ZX_NEED_ALL);
 		__m512 g = _mm512_maskz_loadu_ps(k, t->grad + i);
 		__m512 p = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t->param + i), g);
 		__m512 m = _mm512_add_ps(_mm512_maskz_loadu_ps(k, t->exp_avg + i), g);
@@ -83,21 +83,12 @@ ZX_TARGET_AVX512 static void membw_span_avx512(const void *ctx, const zx_optim_t
 
 int zx_membw_adam(const zx_optim_tensor *t, int64_t ntensors, int out_dtype, int isa)
 {
-	int level = zx_optim_isa(isa);
-	if (level < 0)
-		return level;
 	int rc = zx_optim_check(t, ntensors,
 				ZX_NEED_PARAM | ZX_NEED_GRAD | ZX_NEED_EXP_AVG | ZX_NEED_EXP_AVG_SQ,
 				out_dtype);
 	if (rc)
 		return rc;
-	zx_span_fn fn = membw_span_scalar;
-#if ZX_HAVE_X86
-	if (level == ZX_SIMD_AVX512)
-		fn = membw_span_avx512;
-	else if (level == ZX_SIMD_AVX2)
-		fn = membw_span_avx2;
-#endif
+	static const zx_spans spans = ZX_SPANS(membw_span);
 	int stream = zx_optim_numel(t, ntensors) >= ZX_STREAM_MIN; /* the span's ctx */
-	return zx_optim_run(t, ntensors, fn, &stream, NULL);
+	return zx_optim_run_isa(t, ntensors, &spans, isa, &stream, NULL);
 }

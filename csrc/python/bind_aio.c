@@ -32,6 +32,15 @@ static struct zx_aio *aio_live(zx_aio_object *self)
 	return self->aio;
 }
 
+/* The op id in arg and the live handle of self (wait, done); NULL with the exception set. */
+static struct zx_aio *aio_op_arg(zx_aio_object *self, PyObject *arg, long long *id)
+{
+	*id = PyLong_AsLongLong(arg);
+	if (*id == -1 && PyErr_Occurred())
+		return NULL;
+	return aio_live(self);
+}
+
 /* Stops the handle: pending requests cancelled, those in flight waited for (GIL released). */
 static void aio_shutdown(zx_aio_object *self)
 {
@@ -169,10 +178,8 @@ PyDoc_STRVAR(aio_wait_doc,
 static PyObject *aio_wait(PyObject *op, PyObject *arg)
 {
 	zx_aio_object *self = (zx_aio_object *)op;
-	long long id = PyLong_AsLongLong(arg);
-	if (id == -1 && PyErr_Occurred())
-		return NULL;
-	struct zx_aio *aio = aio_live(self);
+	long long id;
+	struct zx_aio *aio = aio_op_arg(self, arg, &id);
 	if (!aio)
 		return NULL;
 	struct zx_aio_result res;
@@ -203,10 +210,8 @@ PyDoc_STRVAR(aio_done_doc, "done(op) -> bool: whether op has finished (wait(op) 
 static PyObject *aio_done(PyObject *op, PyObject *arg)
 {
 	zx_aio_object *self = (zx_aio_object *)op;
-	long long id = PyLong_AsLongLong(arg);
-	if (id == -1 && PyErr_Occurred())
-		return NULL;
-	struct zx_aio *aio = aio_live(self);
+	long long id;
+	struct zx_aio *aio = aio_op_arg(self, arg, &id);
 	if (!aio)
 		return NULL;
 	int rc = zx_aio_done(aio, id);

@@ -23,14 +23,14 @@ static zx_optim_tensor *optim_tensors(PyObject *params, PyObject *grads, PyObjec
 	int64_t *ptr[5] = { NULL };
 	zx_optim_tensor *t = NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(numels, &n, "numels");
+	int64_t *numel = zx_int64_array(numels, &n, "numels");
 	if (!numel)
 		return NULL;
 	for (int k = 0; k < 5; k++) {
 		if (seqs[k] == Py_None)
 			continue;
 		Py_ssize_t len;
-		ptr[k] = int64_array(seqs[k], &len, names[k]);
+		ptr[k] = zx_int64_array(seqs[k], &len, names[k]);
 		if (!ptr[k])
 			goto done;
 		if (len != n) {
@@ -58,6 +58,52 @@ done:
 		PyMem_Free(ptr[k]);
 	PyMem_Free(numel);
 	return t;
+}
+
+/* The kernels of this file as one signature, so that one function runs them all. */
+typedef int (*optim_kernel)(const void *cfg, const zx_optim_tensor *t, int64_t n, int out_dtype,
+			    int isa);
+
+static int adam_kernel(const void *cfg, const zx_optim_tensor *t, int64_t n, int odt, int isa)
+{
+	return zx_adam_step(cfg, t, n, odt, isa);
+}
+
+static int adagrad_kernel(const void *cfg, const zx_optim_tensor *t, int64_t n, int odt, int isa)
+{
+	return zx_adagrad_step(cfg, t, n, odt, isa);
+}
+
+static int lion_kernel(const void *cfg, const zx_optim_tensor *t, int64_t n, int odt, int isa)
+{
+	return zx_lion_step(cfg, t, n, odt, isa);
+}
+
+static int membw_kernel(const void *cfg, const zx_optim_tensor *t, int64_t n, int odt, int isa)
+{
+	return zx_membw_adam(t, n, odt, isa);
+}
+
+/* What every optimizer binding does once its arguments are parsed: the tensors from their
+ * sequences (as optim_tensors), kernel(cfg, ...) on them without the GIL, its status as an
+ * exception named `name`. */
+static PyObject *optim_call(const char *name, optim_kernel kernel, const void *cfg,
+			    PyObject *params, PyObject *grads, PyObject *exp_avgs,
+			    PyObject *exp_avg_sqs, PyObject *outs, PyObject *numels, int out_dtype,
+			    int isa)
+{
+	Py_ssize_t n = 0;
+	zx_optim_tensor *t = optim_tensors(params, grads, exp_avgs, exp_avg_sqs, outs, numels, &n);
+	if (!t)
+		return NULL;
+	int rc;
+	Py_BEGIN_ALLOW_THREADS
+	rc = kernel(cfg, t, n, out_dtype, isa);
+	Py_END_ALLOW_THREADS
+	PyMem_RawFree(t);
+	if (rc)
+		return zx_raise(rc, name);
+	Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cpu_optim_set_threads_doc,
@@ -111,18 +157,8 @@ static PyObject *py_adam_step(PyObject *self, PyObject *args)
 	cfg.step = step;
 	cfg.bias_correction = bias_correction;
 	cfg.adamw_mode = adamw_mode;
-	Py_ssize_t n = 0;
-	zx_optim_tensor *t = optim_tensors(params, grads, m, v, outs, numels, &n);
-	if (!t)
-		return NULL;
-	int rc;
-	Py_BEGIN_ALLOW_THREADS
-	rc = zx_adam_step(&cfg, t, n, out_dtype, isa);
-	Py_END_ALLOW_THREADS
-	PyMem_RawFree(t);
-	if (rc)
-		return zx_raise(rc, "adam_step");
-	Py_RETURN_NONE;
+	return optim_call("adam_step", adam_kernel, &cfg, params, grads, m, v, outs, numels, out_dtype,
+			  isa);
 }
 
 PyDoc_STRVAR(adagrad_step_doc,
@@ -139,18 +175,8 @@ static PyObject *py_adagrad_step(PyObject *self, PyObject *args)
 			      &numels, &out_dtype, &cfg.lr, &cfg.eps, &cfg.weight_decay,
 			      &cfg.grad_scale, &isa))
 		return NULL;
-	Py_ssize_t n = 0;
-	zx_optim_tensor *t = optim_tensors(params, grads, Py_None, sums, outs, numels, &n);
-	if (!t)
-		return NULL;
-	int rc;
-	Py_BEGIN_ALLOW_THREADS
-	rc = zx_adagrad_step(&cfg, t, n, out_dtype, isa);
-	Py_END_ALLOW_THREADS
-	PyMem_RawFree(t);
-	if (rc)
-		return zx_raise(rc, "adagrad_step");
-	Py_RETURN_NONE;
+	return optim_call("adagrad_step", adagrad_kernel, &cfg, params, grads, Py_None, sums, outs,
+			  numels, out_dtype, isa);
 }
 
 PyDoc_STRVAR(lion_step_doc,
@@ -167,18 +193,8 @@ static PyObject *py_lion_step(PyObject *self, PyObject *args)
 			      &out_dtype, &cfg.lr, &cfg.beta1, &cfg.beta2, &cfg.weight_decay,
 			      &cfg.grad_scale, &isa))
 		return NULL;
-	Py_ssize_t n = 0;
-	zx_optim_tensor *t = optim_tensors(params, grads, m, Py_None, outs, numels, &n);
-	if (!t)
-		return NULL;
-	int rc;
-	Py_BEGIN_ALLOW_THREADS
-	rc = zx_lion_step(&cfg, t, n, out_dtype, isa);
-	Py_END_ALLOW_THREADS
-	PyMem_RawFree(t);
-	if (rc)
-		return zx_raise(rc, "lion_step");
-	Py_RETURN_NONE;
+	return optim_call("lion_step", lion_kernel, &cfg, params, grads, m, Py_None, outs, numels,
+			  out_dtype, isa);
 }
 
 PyDoc_STRVAR(grad_sqnorm_doc,
@@ -236,18 +252,8 @@ static PyObject *py_membw_adam(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OOOOOOi|i:membw_adam", &params, &grads, &m, &v, &outs, &numels,
 			      &out_dtype, &isa))
 		return NULL;
-	Py_ssize_t n = 0;
-	zx_optim_tensor *t = optim_tensors(params, grads, m, v, outs, numels, &n);
-	if (!t)
-		return NULL;
-	int rc;
-	Py_BEGIN_ALLOW_THREADS
-	rc = zx_membw_adam(t, n, out_dtype, isa);
-	Py_END_ALLOW_THREADS
-	PyMem_RawFree(t);
-	if (rc)
-		return zx_raise(rc, "membw_adam");
-	Py_RETURN_NONE;
+	return optim_call("membw_adam", membw_kernel, NULL, params, grads, m, v, outs, numels,
+			  out_dtype, isa);
 }
 
 PyMethodDef zx_optim_methods[] = {

@@ -45,6 +45,39 @@ static PyObject *piece_list(const zx_piece *p, int64_t n)
 		PyMem_Free(out);                                                                    \
 	} while (0)
 
+/* The numels sequence of a planner call as an int64 array, and *out a fresh array of as many
+ * int64 for the call's answer; free both with PyMem_Free. NULL, with the exception set and nothing
+ * to free, on failure. */
+static int64_t *numels_with_out(PyObject *seq, const char *name, Py_ssize_t *n, int64_t **out)
+{
+	int64_t *numel = zx_int64_array(seq, n, name);
+	if (!numel)
+		return NULL;
+	*out = PyMem_Malloc((size_t)(*n > 0 ? *n : 1) * sizeof(int64_t));
+	if (!*out) {
+		PyMem_Free(numel);
+		PyErr_NoMemory();
+		return NULL;
+	}
+	return numel;
+}
+
+/* The numels and order sequences of a bucket call as int64 arrays; free both with PyMem_Free.
+ * -1, with the exception set and nothing to free, on failure. */
+static int numels_and_order(PyObject *seq, PyObject *oseq, int64_t **numel, Py_ssize_t *n,
+			    int64_t **order, Py_ssize_t *count)
+{
+	*numel = zx_int64_array(seq, n, "numels");
+	if (!*numel)
+		return -1;
+	*order = zx_int64_array(oseq, count, "order");
+	if (!*order) {
+		PyMem_Free(*numel);
+		return -1;
+	}
+	return 0;
+}
+
 /* ---------------------------------------------------------------------------------------------------
  * Partition planner (partition.h) */
 
@@ -60,19 +93,14 @@ static PyObject *py_flat_layout(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLL:flat_layout", &seq, &world, &align))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *offset, *numel = numels_with_out(seq, "numels", &n, &offset);
 	if (!numel)
 		return NULL;
-	int64_t *offset = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
-	if (!offset) {
-		PyMem_Free(numel);
-		return PyErr_NoMemory();
-	}
 	int64_t padded = zx_flat_layout(numel, n, world, align, offset);
 	if (padded < 0) {
 		zx_raise(padded, "flat_layout");
 	} else {
-		PyObject *offsets = int64_list(offset, n);
+		PyObject *offsets = zx_int64_list(offset, n);
 		if (offsets)
 			result = Py_BuildValue("(LN)", (long long)padded, offsets);
 	}
@@ -92,7 +120,7 @@ static PyObject *py_flat_fragments(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLLL:flat_fragments", &seq, &world, &align, &rank))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *numel = zx_int64_array(seq, &n, "numels");
 	if (!numel)
 		return NULL;
 	ZX_PIECES(zx_flat_fragments(numel, n, world, align, rank, out, cap), "flat_fragments");
@@ -111,16 +139,13 @@ static PyObject *py_flat_bucket_pieces(PyObject *self, PyObject *args)
 	long long world, align;
 	if (!PyArg_ParseTuple(args, "OLLO:flat_bucket_pieces", &seq, &world, &align, &oseq))
 		return NULL;
-	Py_ssize_t n, count = 0;
-	int64_t *numel = int64_array(seq, &n, "numels");
-	if (!numel)
+	Py_ssize_t n, count;
+	int64_t *numel, *order;
+	if (numels_and_order(seq, oseq, &numel, &n, &order, &count))
 		return NULL;
-	int64_t *order = int64_array(oseq, &count, "order");
-	if (order) {
-		ZX_PIECES(zx_flat_bucket_pieces(numel, n, world, align, order, count, out, cap),
-			  "flat_bucket_pieces");
-		PyMem_Free(order);
-	}
+	ZX_PIECES(zx_flat_bucket_pieces(numel, n, world, align, order, count, out, cap),
+		  "flat_bucket_pieces");
+	PyMem_Free(order);
 	PyMem_Free(numel);
 	return result;
 }
@@ -171,16 +196,11 @@ static PyObject *py_sub_groups(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OLL:sub_groups", &seq, &world, &size))
 		return NULL;
 	Py_ssize_t n;
-	int64_t *numel = int64_array(seq, &n, "numels");
+	int64_t *group_of, *numel = numels_with_out(seq, "numels", &n, &group_of);
 	if (!numel)
 		return NULL;
-	int64_t *group_of = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
-	if (!group_of) {
-		PyMem_Free(numel);
-		return PyErr_NoMemory();
-	}
 	int64_t groups = zx_sub_groups(numel, n, world, size, group_of);
-	result = groups < 0 ? zx_raise(groups, "sub_groups") : int64_list(group_of, n);
+	result = groups < 0 ? zx_raise(groups, "sub_groups") : zx_int64_list(group_of, n);
 	PyMem_Free(numel);
 	PyMem_Free(group_of);
 	return result;
@@ -197,19 +217,15 @@ static PyObject *py_shard_bucket_pieces(PyObject *self, PyObject *args)
 	long long world;
 	if (!PyArg_ParseTuple(args, "OLO:shard_bucket_pieces", &seq, &world, &oseq))
 		return NULL;
-	Py_ssize_t n, count = 0;
-	int64_t *numel = int64_array(seq, &n, "numels");
-	if (!numel)
+	Py_ssize_t n, count;
+	int64_t *numel, *order, block = 0;
+	if (numels_and_order(seq, oseq, &numel, &n, &order, &count))
 		return NULL;
-	int64_t *order = int64_array(oseq, &count, "order");
-	int64_t block = 0;
-	if (order) {
-		ZX_PIECES(zx_shard_bucket_pieces(numel, n, world, order, count, &block, out, cap),
-			  "shard_bucket_pieces");
-		PyMem_Free(order);
-		if (result)
-			result = Py_BuildValue("(LN)", (long long)block, result);
-	}
+	ZX_PIECES(zx_shard_bucket_pieces(numel, n, world, order, count, &block, out, cap),
+		  "shard_bucket_pieces");
+	if (result)
+		result = Py_BuildValue("(LN)", (long long)block, result);
+	PyMem_Free(order);
 	PyMem_Free(numel);
 	return result;
 }
@@ -225,12 +241,12 @@ static PyObject *py_buckets(PyObject *self, PyObject *args)
 	if (!PyArg_ParseTuple(args, "OL|O:buckets", &seq, &size, &oseq))
 		return NULL;
 	Py_ssize_t n, count = 0;
-	int64_t *sizes = int64_array(seq, &n, "sizes");
+	int64_t *bucket_of, *sizes = numels_with_out(seq, "sizes", &n, &bucket_of);
 	if (!sizes)
 		return NULL;
 	int64_t *order = NULL;
 	if (oseq != Py_None) {
-		order = int64_array(oseq, &count, "order");
+		order = zx_int64_array(oseq, &count, "order");
 		if (!order)
 			goto done;
 		if (count != n) {
@@ -238,15 +254,10 @@ static PyObject *py_buckets(PyObject *self, PyObject *args)
 			goto done;
 		}
 	}
-	int64_t *bucket_of = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
-	if (!bucket_of) {
-		PyErr_NoMemory();
-		goto done;
-	}
 	int64_t nb = zx_buckets(sizes, n, order, size, bucket_of);
-	result = nb < 0 ? zx_raise(nb, "buckets") : int64_list(bucket_of, n);
-	PyMem_Free(bucket_of);
+	result = nb < 0 ? zx_raise(nb, "buckets") : zx_int64_list(bucket_of, n);
 done:
+	PyMem_Free(bucket_of);
 	PyMem_Free(order);
 	PyMem_Free(sizes);
 	return result;

@@ -11,8 +11,8 @@
 /* Raises for a negative C status (-errno) and returns NULL: `return zx_raise(rc, "what")`. */
 PyObject *zx_raise(int64_t status, const char *what);
 /* A Python sequence of ints as a fresh int64 array (free with PyMem_Free); *n receives its length. */
-int64_t *int64_array(PyObject *seq, Py_ssize_t *n, const char *name);
-PyObject *int64_list(const int64_t *v, int64_t n);
+int64_t *zx_int64_array(PyObject *seq, Py_ssize_t *n, const char *name);
+PyObject *zx_int64_list(const int64_t *v, int64_t n);
 
 /* Each unit's functions (sentinel-terminated), added to the module at exec. */
 extern PyMethodDef zx_planner_methods[]; /* bind_planner.c: partition planner, SIMD level */

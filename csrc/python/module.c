@@ -40,7 +40,7 @@ PyObject *zx_raise(int64_t status, const char *what)
  * Argument helpers */
 
 /* A Python sequence of ints as a fresh int64 array (free with PyMem_Free); *n receives its length. */
-int64_t *int64_array(PyObject *seq, Py_ssize_t *n, const char *name)
+int64_t *zx_int64_array(PyObject *seq, Py_ssize_t *n, const char *name)
 {
 	PyObject *fast = PySequence_Fast(seq, name);
 	if (!fast)
@@ -68,7 +68,7 @@ int64_t *int64_array(PyObject *seq, Py_ssize_t *n, const char *name)
 	return out;
 }
 
-PyObject *int64_list(const int64_t *v, int64_t n)
+PyObject *zx_int64_list(const int64_t *v, int64_t n)
 {
 	PyObject *list = PyList_New((Py_ssize_t)n);
 	for (int64_t i = 0; list && i < n; i++) {
