@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MODELS
+from helpers.harness import run_ranks
+from helpers.models import MODELS
 
 STEPS = 3
 

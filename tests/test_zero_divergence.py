@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
-from test_zero3_support import rank
+from helpers.harness import run_ranks
+from helpers.zero3 import rank
 
 
 class Branchy(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 import zero_ext
-from harness import run_ranks
+from helpers.harness import run_ranks
 from zero_ext import comm
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMPI_COMM_WORLD_RANK",
@@ -110,7 +110,7 @@ def _mpi_without_master_addr():
 
 
 def test_mpi_launch_without_master_addr_is_a_clear_error():
-    from harness import RankFailed
+    from helpers.harness import RankFailed
 
     with pytest.raises(RankFailed, match="found an MPI launch .* but no MASTER_ADDR"):
         run_ranks(1, _mpi_without_master_addr, init=False)
@@ -126,7 +126,7 @@ def _bad_rank_arguments(rank, world_size):
     (2, 2, "rank 2 is out of range for world_size 2"),
 ])
 def test_bad_rank_arguments(rank, world_size, message):
-    from harness import RankFailed
+    from helpers.harness import RankFailed
 
     with pytest.raises(RankFailed, match=message):
         run_ranks(1, _bad_rank_arguments, rank, world_size, init=False)

@@ -16,19 +16,12 @@ from zero_ext import _C
 from zero_ext.ops import functional as F
 from zero_ext.ops.adam import CPUAdam, DeepSpeedCPUAdam
 
-ISAS = F.available_isas()
-# torch's vectorised kernels use FMA in lerp/addcmul/add(alpha); its scalar build does not
-TORCH_VECTORISED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+from helpers import ROOT
+from helpers.cpu_optim import ISAS, TORCH_VECTORISED
+
 # sizes around the vector widths (8, 16), the AVX2 block (64), 128 and the tile
 # (32768), in one call
 SIZES = [0, 1, 7, 8, 15, 16, 17, 63, 64, 65, 127, 128, 129, 143, 1000, 4099, 70001]
-
-
-@pytest.fixture
-def two_threads():
-    F.set_num_threads(2)
-    yield
-    F.set_num_threads(None)
 
 
 def rand_list(sizes, gen, scale=1.0):
@@ -597,7 +590,6 @@ def test_c_internals(tmp_path):
     import subprocess
     import sysconfig
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     if not shutil.which(cc):
         pytest.skip(f"no C compiler ({cc}) to build tests/c/test_cpu_optim.c")
@@ -605,7 +597,7 @@ def test_c_internals(tmp_path):
     srcs = ["tests/c/test_cpu_optim.c", "csrc/cpu_optim.c", "csrc/thread_pool.c", "csrc/cpu_features.c"]
     build = subprocess.run([cc, "-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Werror",
                             "-Icsrc", *srcs, "-lpthread", "-lm", "-o", exe],
-                           cwd=root, capture_output=True, text=True)
+                           cwd=ROOT, capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([exe], capture_output=True, text=True, timeout=120)
     if run.returncode == 77:

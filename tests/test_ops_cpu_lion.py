@@ -7,16 +7,10 @@ import torch
 from zero_ext.ops import functional as F
 from zero_ext.ops.lion import CPULion, DeepSpeedCPULion
 
-ISAS = F.available_isas()
-TORCH_VECTORISED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+from helpers.cpu_optim import ISAS, TORCH_VECTORISED
+
 SIZES = [0, 1, 7, 17, 64, 65, 1000, 70001]
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    F.set_num_threads(2)
-    yield
-    F.set_num_threads(None)
+pytestmark = pytest.mark.usefixtures("two_threads")  # helpers/cpu_optim.py, in every test
 
 
 def torch_lion(p, g, m, *, lr, beta1, beta2, weight_decay, grad_scale=1.0):

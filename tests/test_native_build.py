@@ -12,7 +12,8 @@ from zero_ext import _C
 from zero_ext._native import cuda as _cuda
 from zero_ext._native.dtypes import raw_buffer, zx_dtype
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 
 
 def _python(code, **env):

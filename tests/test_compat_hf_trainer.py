@@ -2,7 +2,7 @@
 
 The package (compat/) is installed with pip into a folder of this test's own, which each rank puts
 first on sys.path: transformers and accelerate then find a `deepspeed` module *and* distribution, as
-they require, and take their DeepSpeed path. Everything runs on 2 gloo CPU ranks (tests/harness.py),
+they require, and take their DeepSpeed path. Everything runs on 2 gloo CPU ranks (tests/helpers/harness.py),
 with a GPT-2 of 2 layers and 32 channels.
 
 Cases: Trainer at ZeRO-2 and at ZeRO-3 ("auto" values, a from_pretrained model) against DDP; checkpoint
@@ -23,8 +23,8 @@ import sys
 
 import pytest
 
-from compat_site import install_compat
-from harness import run_ranks
+from helpers.compat_site import install_compat
+from helpers.harness import run_ranks
 
 # Only looked up, not imported: the ranks unpickle this module, and accelerate decides at import time
 # whether DeepSpeed is there, so it must first be imported after _use_compat.

@@ -4,7 +4,8 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT
+
 
 
 def install_compat(base, python=sys.executable, allow_overwrite=True, check=True):

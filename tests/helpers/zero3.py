@@ -1,4 +1,4 @@
-"""Models and helpers shared by the ZeRO-3 parameter-layer tests (tests/test_zero3_*.py). No tests here.
+"""Models and helpers shared by the ZeRO-3 parameter-layer tests (tests/test_zero_*.py). No tests here.
 
 Every helper runs inside a rank (through harness.run_ranks) unless it says otherwise.
 """

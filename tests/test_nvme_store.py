@@ -1,4 +1,4 @@
-"""NVMeStateStore (zero_ext/nvme_states.py): groups of tensors on real swap files of the local disk.
+"""NVMeStateStore (zero_ext/nvme/store.py): groups of tensors on real swap files of the local disk.
 
 Every test runs on both aio backends where it matters (io_uring skips, with the kernel's reason,
 where this process may not use it). The full-drive test mounts a 1 MiB tmpfs and skips where mount
@@ -17,7 +17,7 @@ from zero_ext.nvme import store as nvme_states
 from zero_ext.nvme.aio import AioError
 from zero_ext.nvme.store import NVMeStateStore, SwapState
 
-from test_aio import in_child, mount, mounts  # noqa: F401 - the fixture is used by name
+from helpers.fs import in_child, mount
 
 URING_ERRNO = _C.aio_uring_probe()
 BACKENDS = [pytest.param("uring", marks=pytest.mark.skipif(
@@ -266,7 +266,7 @@ def test_register_from_lp_equals_the_fp32_path_bit_for_bit(tmp_path, lp_dtype, m
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-def test_full_drive_names_bytes_and_earlier_groups_survive(tmp_path, backend_name, mounts,  # noqa: F811
+def test_full_drive_names_bytes_and_earlier_groups_survive(tmp_path, backend_name, mounts,
                                                            monkeypatch):
     monkeypatch.setenv("ZERO_EXT_AIO", backend_name)
     target = mount(tmp_path, "tmpfs", "size=1m")

@@ -7,8 +7,8 @@ import tempfile
 import pytest
 import torch
 
-from harness import RankFailed, restart_pool, run_ranks
-from models import MLP
+from helpers.harness import RankFailed, restart_pool, run_ranks
+from helpers.models import MLP
 
 LR = 1e-2
 # pairwise over stage x world x accumulation

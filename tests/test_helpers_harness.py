@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailed, RankTimeout, run_ranks
+from helpers.harness import RankFailed, RankTimeout, run_ranks
 
 
 def _identity():

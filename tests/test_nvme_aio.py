@@ -1,4 +1,5 @@
-"""NVMe swap I/O (csrc/aio.c, zero_ext/aio.py): both backends on real files of the local disk.
+"""NVMe swap I/O (csrc/aio.c; zero_ext/nvme/aio.py, swap_dir.py, swapper.py): both backends on real files
+of the local disk.
 
 io_uring tests skip, with the kernel's reason, where this process may not use it; the pread/pwrite
 thread pool is tested always. Tests that need a file system of their own (ramfs refusing O_DIRECT,
@@ -9,7 +10,6 @@ RLIMIT_FSIZE, a crash) are forked.
 import errno
 import logging
 import os
-import pickle
 import platform
 import signal
 import subprocess
@@ -27,11 +27,13 @@ from zero_ext.nvme.aio import ALIGN, AioError, AsyncIO, aligned_empty
 from zero_ext.nvme.swap_dir import SwapDir, check_nvme_path
 from zero_ext.nvme.swapper import NVMeSwapper
 
+from helpers import ROOT
+from helpers.fs import in_child, mount
+
 URING_ERRNO = _C.aio_uring_probe()
 URING_SKIP = f"io_uring refused by this kernel: {os.strerror(URING_ERRNO)}" if URING_ERRNO else ""
 BACKENDS = [pytest.param("uring", marks=pytest.mark.skipif(bool(URING_ERRNO), reason=URING_SKIP or "-")),
             "threads"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def rand_bytes(n, seed=0):
@@ -44,51 +46,6 @@ def rand_bytes(n, seed=0):
 def handle(request):
     with AsyncIO(block_size=64 << 10, queue_depth=4, backend=request.param) as h:
         yield h
-
-
-def in_child(fn, *args):
-    """Runs fn(*args) in a forked child and returns what it returns (or raises what it raised)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            out = ("ok", fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - sent to the parent
-            out = ("err", exc)
-        with os.fdopen(w, "wb") as f:
-            pickle.dump(out, f)
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    kind, value = pickle.loads(data)
-    if kind == "err":
-        raise value
-    return value
-
-
-def mount(tmp_path, fstype, options="", name="mnt"):
-    """Mounts a fresh `fstype` on tmp_path/name, or skips the test saying why it cannot."""
-    target = tmp_path / name
-    target.mkdir()
-    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(target)]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot run mount: {exc}")
-    if out.returncode:
-        pytest.skip(f"mounting {fstype} is not permitted here: {out.stderr.strip()}")
-    return target
-
-
-@pytest.fixture
-def mounts():
-    made = []
-    yield made
-    for target in made:
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 # ---------------------------------------------------------------------------------------------------

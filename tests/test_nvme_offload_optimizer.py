@@ -13,9 +13,10 @@ import os
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
-from models import MODELS
-from test_aio import mount, mounts  # noqa: F401 - the fixture is used by name
+from helpers.harness import RankFailed, run_ranks
+from helpers.engine import fp32_masters, full_params, optimizer_state
+from helpers.models import MODELS
+from helpers.fs import mount
 
 LR = 1e-2
 STEPS = 4
@@ -50,7 +51,6 @@ def _config(stage, dtype, offload):
 
 def _train(stage, dtype, model_name, offload, save_to=None):
     import zero_ext
-    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
@@ -66,11 +66,9 @@ def _train(stage, dtype, model_name, offload, save_to=None):
         engine.backward(loss)
         engine.step()
         losses.append(loss.float().item())
-    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    masters = {n: safe_get_full_fp32_param(p) for n, p in trained}
-    states = {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in trained}
-    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    masters = fp32_masters(engine)
+    states = optimizer_state(engine, "exp_avg_sq")
+    params = full_params(engine)
     memory = engine.memory_breakdown()
     files = None
     if engine.optimizer.nvme is not None:
@@ -93,16 +91,13 @@ def _nvme_and_cpu(stage, dtype, model_name, options, nvme_path, ckpt):
 
 def _load_into_cpu_offload(stage, dtype, model_name, ckpt):
     import zero_ext
-    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     torch.manual_seed(1)
     model = MODELS[model_name]()
     engine, _, _, _ = zero_ext.initialize(model=model, config=_config(stage, dtype, {"device": "cpu"}),
                                           model_parameters=model.parameters())
     engine.load_checkpoint(ckpt, tag="t")
-    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    out = ({n: safe_get_full_fp32_param(p) for n, p in trained},
-           {n: safe_get_full_optimizer_state(p, "exp_avg_sq") for n, p in trained})
+    out = fp32_masters(engine), optimizer_state(engine, "exp_avg_sq")
     engine.destroy()
     return out
 
@@ -163,14 +158,14 @@ def test_missing_nvme_path_is_refused_at_initialize(tmp_path):
         run_ranks(1, _initialize, str(tmp_path / "absent"))
 
 
-def test_a_drive_too_small_is_refused_at_initialize_with_the_bytes(tmp_path, mounts):  # noqa: F811
+def test_a_drive_too_small_is_refused_at_initialize_with_the_bytes(tmp_path, mounts):
     target = mount(tmp_path, "tmpfs", "size=16k")
     mounts.append(target)
     with pytest.raises(RankFailed, match=r"bytes needed for swap files, \d+ bytes free"):
         run_ranks(1, _initialize, str(target))
 
 
-def test_a_file_system_without_o_direct_gives_the_same_results(tmp_path, mounts):  # noqa: F811
+def test_a_file_system_without_o_direct_gives_the_same_results(tmp_path, mounts):
     target = mount(tmp_path, "ramfs")  # ramfs refuses O_DIRECT: buffered I/O, one warning
     mounts.append(target)
     args = (3, "bf16", "mlp", {"pipeline_read": True, "pipeline_write": True}, str(target), str(tmp_path / "ckpt"))
@@ -184,7 +179,7 @@ def _sliced_resume_and_set(nvme_path, ckpt):
     """Stage 2, the partition in sub-groups: 2 steps, save, load into a fresh sliced engine, 2 more
     steps; then a safe_set of a master, read back. Against CPU offload trained 4 steps straight."""
     import zero_ext
-    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+    from zero_ext.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
 
     rank = torch.distributed.get_rank()
     nvme = {"device": "nvme", "nvme_path": nvme_path, "pipeline_read": True, "pipeline_write": True,
@@ -203,9 +198,7 @@ def _sliced_resume_and_set(nvme_path, ckpt):
             engine.step()
 
     def read(engine):
-        trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        return ({n: safe_get_full_fp32_param(p) for n, p in trained},
-                {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in trained})
+        return fp32_masters(engine), optimizer_state(engine, "exp_avg")
 
     gen = torch.Generator().manual_seed(7)
     first = engine_for(nvme)

@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
-from models import MLP, TinyGPT
-from test_zero3_support import Containers, Deep, Shared, full_values, grads, rank, same_tensors
+from helpers.harness import run_ranks
+from helpers.models import MLP, TinyGPT
+from helpers.zero3 import Containers, Deep, Shared, full_values, grads, rank, same_tensors
 
 STEPS = 2
 

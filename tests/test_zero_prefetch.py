@@ -15,9 +15,9 @@ import logging
 import torch
 from torch import nn
 
-from harness import run_ranks
-from models import TinyGPT
-from test_zero3_support import grads, rank, same_tensors
+from helpers.harness import run_ranks
+from helpers.models import TinyGPT
+from helpers.zero3 import grads, rank, same_tensors
 
 ON_DEMAND = {"prefetch_bucket_size": 0, "max_reuse_distance": 0}
 

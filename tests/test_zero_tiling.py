@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from harness import run_ranks
+from helpers.harness import run_ranks
 
 
 @pytest.mark.parametrize("in_splits,out_splits", [(1, 1), (3, 2), (10, 1), (1, 7), (4, 3)])

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import RankFailed, run_ranks
+from helpers.harness import RankFailed, run_ranks
 
 
 class Experts(nn.Module):

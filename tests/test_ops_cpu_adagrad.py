@@ -1,22 +1,16 @@
 """CPU Adagrad (csrc/cpu_optim_adagrad.c, zero_ext.ops.adagrad): every ISA path against
 torch.optim.Adagrad(foreach=False), and bit for bit against torch's operations with a correctly
-rounded sqrt (see test_cpu_adam.py for why)."""
+rounded sqrt (see test_ops_cpu_adam.py for why)."""
 import pytest
 import torch
 
 from zero_ext.ops import functional as F
 from zero_ext.ops.adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
 
-ISAS = F.available_isas()
-TORCH_VECTORISED = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+from helpers.cpu_optim import ISAS, TORCH_VECTORISED
+
 SIZES = [0, 1, 7, 17, 64, 65, 1000, 70001]
-
-
-@pytest.fixture(autouse=True)
-def two_threads():
-    F.set_num_threads(2)
-    yield
-    F.set_num_threads(None)
+pytestmark = pytest.mark.usefixtures("two_threads")  # helpers/cpu_optim.py, in every test
 
 
 def ours(isa, wd, grad_scale=1.0, steps=10, seed=0):

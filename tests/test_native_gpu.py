@@ -7,8 +7,8 @@ import ctypes
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MLP
+from helpers.harness import run_ranks
+from helpers.models import MLP
 
 pytestmark = pytest.mark.gpu
 

@@ -13,8 +13,9 @@ Cases cover stage x dtype x world x accumulation pairwise, plus offload_param an
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MODELS
+from helpers.harness import run_ranks
+from helpers.engine import fp32_masters, full_params, train, trained
+from helpers.models import MODELS
 
 STEPS = 6
 MICRO = 2
@@ -67,7 +68,7 @@ def _batches(case):
 def _train(case, mode):
     import zero_ext
     from zero_ext.ops.adam import CPUAdam
-    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from zero_ext.utils import safe_get_full_optimizer_state
 
     stage, dtype, world, gas, model_name, opts = case
     rank = torch.distributed.get_rank()
@@ -83,19 +84,11 @@ def _train(case, mode):
                                             model_parameters=model.parameters())
     if mode == "offload":
         assert type(opt.optimizer).__name__ == "CPUAdam", "offload must build the C optimizer"
-    losses = []
-    for step in _batches(case):
-        for micro in step:
-            loss = engine.module.loss(micro[rank])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.float().item())
-    trained = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-    masters = {n: safe_get_full_fp32_param(p) for n, p in trained}
+    losses = train(engine, _batches(case), rank)
+    masters = fp32_masters(engine)
     states = {n: (safe_get_full_optimizer_state(p, "exp_avg"), safe_get_full_optimizer_state(p, "exp_avg_sq"))
-              for n, p in trained}
-    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+              for n, p in trained(engine)}
+    params = full_params(engine)
     memory = engine.memory_breakdown()
     skipped = engine.skipped_steps
     engine.destroy()

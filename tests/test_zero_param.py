@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
-from test_zero3_support import full_values, rank, same_tensors
+from helpers.harness import run_ranks
+from helpers.zero3 import full_values, rank, same_tensors
 
 
 def test_deepspeed_names_and_values():

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harness import run_ranks
-from test_zero3_support import Block, grads, rank, same_tensors
+from helpers.harness import run_ranks
+from helpers.zero3 import Block, grads, rank, same_tensors
 
 
 class Checkpointed(nn.Module):

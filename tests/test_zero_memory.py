@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import WorkerPool
+from helpers.harness import WorkerPool
 
 WORLD = 4
 D = 768  # each layer's weight: 2.25 MiB in fp32

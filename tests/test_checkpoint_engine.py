@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from harness import RankFailed, restart_pool, run_ranks
-from models import MODELS
+from helpers.harness import RankFailed, restart_pool, run_ranks
+from helpers.engine import full_params
+from helpers.models import MODELS
 
 LR = 1e-2
 
@@ -54,17 +55,9 @@ def _train(engine, steps, model_name, dtype):
     return losses
 
 
-def _params(engine):
-    """Every parameter's whole value (stage 3: gathered for the read)."""
-    import zero_ext
-
-    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
-        return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-
-
 def _snapshot(engine):
     opt = engine.optimizer
-    return {"params": _params(engine),
+    return {"params": full_params(engine),
             "masters": [g.master.detach().clone() for g in opt.flat_groups],
             "state": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
             "lr": engine.get_lr(), "steps": (engine.global_steps, engine.micro_steps), "scale": opt.cur_scale}
@@ -150,7 +143,7 @@ def _save_for_reshard(tmp, stage, offload=False):
     engine.save_checkpoint(tmp)
     state = _full_state(engine)
     _train_global(engine, 3, 2)
-    return state, _params(engine)
+    return state, full_params(engine)
 
 
 def _load_resharded(tmp, stage, offload=False):
@@ -158,7 +151,7 @@ def _load_resharded(tmp, stage, offload=False):
     engine.load_checkpoint(tmp)
     state = _full_state(engine)
     _train_global(engine, 3, 2)
-    return state, _params(engine)
+    return state, full_params(engine)
 
 
 @pytest.mark.parametrize("saved,loaded", [((4, 2), (2, 2)), ((4, 2), (1, 1)), ((2, 1), (4, 2)), ((2, 2), (2, 0)),
@@ -348,7 +341,7 @@ def _save_stage3(tmp):
     _train(engine, 2, "mlp", "bf16")
     engine.save_checkpoint(tmp)
     masters = {n: utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
-    frozen = _params(engine)["frozen.weight"]
+    frozen = full_params(engine)["frozen.weight"]
     return masters, frozen
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from harness import run_ranks
-from models import TinyGPT
-from test_zero3_support import grads, rank, same_tensors
+from helpers.harness import run_ranks
+from helpers.models import TinyGPT
+from helpers.zero3 import grads, rank, same_tensors
 
 
 class TiedLM(nn.Module):

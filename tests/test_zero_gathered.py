@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from harness import run_ranks
-from test_zero3_support import full_values, rank
+from helpers.harness import run_ranks
+from helpers.zero3 import full_values, rank
 
 
 def _modifier():
