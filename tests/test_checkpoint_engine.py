@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from helpers.harness import RankFailed, restart_pool, run_ranks
 from helpers.engine import full_params
+from helpers.harness import RankFailed, restart_pool, run_ranks
 from helpers.models import MODELS
 
 LR = 1e-2

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from helpers.harness import RankFailed, run_ranks
 from helpers.engine import full_params
+from helpers.harness import RankFailed, run_ranks
 from helpers.models import MLP, MODELS
 
 STEPS = 10

@@ -23,8 +23,8 @@ import math
 import pytest
 import torch
 
-from helpers.harness import run_ranks
 from helpers.engine import full_params, train
+from helpers.harness import run_ranks
 from helpers.models import MODELS
 
 STEPS = 10

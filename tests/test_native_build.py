@@ -15,7 +15,6 @@ from zero_ext._native.dtypes import raw_buffer, zx_dtype
 from helpers import ROOT
 
 
-
 def _python(code, **env):
     full = {**os.environ, **env}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120)

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from helpers.harness import RankFailed, run_ranks
 from helpers.engine import fp32_masters, full_params, optimizer_state
+from helpers.harness import RankFailed, run_ranks
 from helpers.models import MODELS
 from helpers.fs import mount
 

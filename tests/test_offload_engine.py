@@ -13,8 +13,8 @@ Cases cover stage x dtype x world x accumulation pairwise, plus offload_param an
 import pytest
 import torch
 
-from helpers.harness import run_ranks
 from helpers.engine import fp32_masters, full_params, train, trained
+from helpers.harness import run_ranks
 from helpers.models import MODELS
 
 STEPS = 6
