@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from compat_site import ROOT, install_compat
+from helpers import ROOT
+from helpers.compat_site import install_compat
 
 sys.path.insert(0, os.path.join(ROOT, "compat", "_backend"))
 import zx_backend  # noqa: E402

@@ -4,9 +4,10 @@ import re
 
 import pytest
 
-from harness import run_ranks
+from helpers import ROOT
+from helpers.harness import run_ranks
 
-DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
+DOCS = os.path.join(ROOT, "docs")
 
 
 def _examples():

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MLP
+from helpers.harness import run_ranks
+from helpers.models import MLP
 
 BASE = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
 
@@ -171,7 +171,7 @@ def _contradicting_batch():
 
 
 def test_batch_triple_that_contradicts_the_world_size():
-    from harness import RankFailed
+    from helpers.harness import RankFailed
 
     with pytest.raises(RankFailed, match=r"train_batch_size.*6"):
         run_ranks(2, _contradicting_batch)
@@ -208,7 +208,7 @@ def _unused_parameter(ignore):
 
 
 def test_unused_parameters_are_allowed_by_default_and_refused_on_request():
-    from harness import RankFailed
+    from helpers.harness import RankFailed
 
     assert run_ranks(2, _unused_parameter, True) == [1, 1]
     with pytest.raises(RankFailed, match="received no gradient in this backward pass"):

@@ -13,8 +13,9 @@ import math
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
-from models import MLP, MODELS
+from helpers.engine import full_params
+from helpers.harness import RankFailed, run_ranks
+from helpers.models import MLP, MODELS
 
 STEPS = 10
 LR = 1e-2
@@ -64,8 +65,7 @@ def _engine_run(stage, world, gas, model_name, consecutive):
             engine.backward(loss)
             engine.step()
         trajectory.append((engine.was_step_applied(), opt.cur_scale))
-    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    params = full_params(engine)
     out = {"trajectory": trajectory, "skipped": engine.skipped_steps, "steps": engine.global_steps,
            "params": params}
     engine.destroy()

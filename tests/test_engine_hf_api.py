@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
-from models import MLP
+from helpers.harness import RankFailed, run_ranks
+from helpers.models import MLP
 
 
 def _config(stage, gas=2, optimizer=True, **zero):

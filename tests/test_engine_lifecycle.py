@@ -9,10 +9,10 @@ import textwrap
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
-from models import MLP
+from helpers import ROOT
+from helpers.harness import RankFailed, run_ranks
+from helpers.models import MLP
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _forward_only(stage):

@@ -6,8 +6,8 @@ Psi is the trainable element count of a param group padded to the planner's layo
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MLP
+from helpers.harness import run_ranks
+from helpers.models import MLP
 
 BUCKET = 100
 

@@ -23,8 +23,9 @@ import math
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MODELS
+from helpers.engine import full_params, train
+from helpers.harness import run_ranks
+from helpers.models import MODELS
 
 STEPS = 10
 MICRO = 2  # samples per rank per micro step
@@ -118,16 +119,9 @@ def _train_engine(case):
             for p in model.parameters():
                 p.add_(1.0)
     engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(), config=_config(case))
-    losses = []
-    for step in _batches(case):
-        for micro in step:
-            loss = engine.module.loss(micro[rank])
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+    losses = train(engine, _batches(case), rank)
     assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas
-    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
-        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    params = full_params(engine)
     engine.destroy()
     return losses, params
 

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from harness import RankFailed, run_ranks
-from models import MLP
+from helpers.harness import RankFailed, run_ranks
+from helpers.models import MLP
 
 KIND_OF_MEMORY = {"optim_states": ["optimizer_state"], "hp_params": ["fp32_master"], "lp_params": ["params"],
                   "lp_grads": ["grads", "fp32_grads"], "contiguous_grad_buffer": ["comm_buffers"]}
