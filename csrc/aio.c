@@ -8,7 +8,7 @@
  * spreads over every worker (DeepSpeed cuts an op into intra_op_parallelism equal ranges instead;
  * taking blocks from one queue balances the same and needs no divisibility rule).
  *
- * Does NOT open or name files (the caller passes descriptors; python/bind_aio.c and zero_ext/aio.py turn a
+ * Does NOT open or name files (the caller passes descriptors; python/bind_aio.c and zero_ext/nvme/aio.py turn a
  * failed op into an error naming the file), allocate the caller's buffers, or print.
  */
 #define _GNU_SOURCE

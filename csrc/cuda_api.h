@@ -1,6 +1,6 @@
 /* cuda_api.h - the CUDA library of zero_ext (libzx_cuda.so): NCCL collectives and CUDA kernels.
  *
- * Built only where nvcc and NCCL are found, and loaded by Python (zero_ext/_cuda.py, ctypes) only when
+ * Built only where nvcc and NCCL are found, and loaded by Python (zero_ext/_native/cuda.py, ctypes) only when
  * CUDA tensors are used, so that `import zero_ext` works without CUDA. Plain C ABI, no Python: the
  * same library serves any Python or torch version on the GPU machine.
  *

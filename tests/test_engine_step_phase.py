@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from harness import run_ranks
-from models import MLP
+from helpers.harness import run_ranks
+from helpers.models import MLP
 
 
 def test_the_table_names_a_phase_for_every_allowed_event_and_nothing_leaves_destroyed():

@@ -13,7 +13,7 @@
 /* _C.AioHandle: a struct zx_aio as a Python object (a heap type, so dealloc releases the workers).
  * The ops read and write memory that Python objects own (tensors), so each op holds a reference to
  * its `owner` until it is waited for, and close() and dealloc wait for every op in flight before
- * they let the owners go. No Py_TPFLAGS_BASETYPE: zero_ext/aio.py wraps it rather than subclassing. */
+ * they let the owners go. No Py_TPFLAGS_BASETYPE: zero_ext/nvme/aio.py wraps it rather than subclassing. */
 typedef struct {
 	PyObject_HEAD
 	struct zx_aio *aio; /* NULL once closed */
@@ -354,7 +354,7 @@ PyDoc_STRVAR(aio_handle_doc,
 	     "          overlap_events=True, backend='auto')\n\n"
 	     "Asynchronous file I/O over io_uring, or a pread/pwrite thread pool (backend 'threads',\n"
 	     "or 'auto' where the kernel refuses io_uring). The aio config section's settings;\n"
-	     "threads is intra_op_parallelism. Use zero_ext.aio.AsyncIO, which checks tensors and\n"
+	     "threads is intra_op_parallelism. Use zero_ext.nvme.aio.AsyncIO, which checks tensors and\n"
 	     "names files in its errors.");
 
 static PyType_Slot aio_type_slots[] = {

@@ -68,7 +68,7 @@ class Accelerator:
         return tensor.pin_memory() if self._name == "cuda" else tensor
 
     def __getattr__(self, name: str):
-        raise AttributeError(f"zero_ext's accelerator (zero_ext/accelerator.py) has no '{name}': only the part of "
+        raise AttributeError(f"zero_ext's accelerator (zero_ext/accelerator/) has no '{name}': only the part of "
                              "DeepSpeed's accelerator interface that libraries are known to call is provided")
 
     def __repr__(self) -> str:

@@ -1,4 +1,4 @@
-"""save_checkpoint / load_checkpoint for ZeRO stages 0-2 (DeepSpeed's folder layout and key names).
+"""save_checkpoint / load_checkpoint for ZeRO stages 0-3 (DeepSpeed's folder layout and key names).
 
     <save_dir>/latest                                      the tag, written last (rank 0)
     <save_dir>/zero_to_fp32.py                             standalone converter (needs only torch)
@@ -7,7 +7,7 @@
                                                            optimizer state, loss scaler, RNG states
     <save_dir>/<tag>/zero_ext_manifest.json                sha256 and size of every file, the layout
 
-Loading reshards: the manifest records which partition holds which parameter (checkpoint_layout.py), so
+Loading reshards: the manifest records which partition holds which parameter (layout.py), so
 a checkpoint saved by W ranks at any stage 0-3 is rebuilt into full per-parameter values (fp32 masters
 and element-wise optimizer state) and cut again for the N ranks and the stage loading it; an unchanged
 layout reads only this rank's file. ZeRO-3 parameters are never gathered for a save: each rank writes

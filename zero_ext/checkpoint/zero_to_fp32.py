@@ -44,7 +44,7 @@ def _shard(numel, world):
 def param_values(layout, partitions):
     """name -> 1-D tensor of each trainable parameter, rebuilt from every rank's partitions.
 
-    ``layout`` is the manifest's (zero_ext/checkpoint_layout.py): stage, world (1 for stage 0) and, per
+    ``layout`` is the manifest's (zero_ext/checkpoint/layout.py): stage, world (1 for stage 0) and, per
     optimizer group, the parameter names and sizes in order. ``partitions[r][g]`` is rank r's 1-D
     partition of group g. Stages 0-2 lay a group's parameters end to end and cut the (padded) result
     into equal partitions; stage 3 cuts each parameter into pieces of ceil(numel / world).

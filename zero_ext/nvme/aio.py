@@ -297,7 +297,7 @@ class AsyncIO:
         if file.direct and buffer.numel() and not is_aligned(buffer):
             raise ValueError(f"{kind} buffer at {buffer.data_ptr():#x} is not {ALIGN}-byte aligned, "
                              f"which O_DIRECT needs ({file.path}); allocate it with "
-                             "zero_ext.aio.aligned_empty")
+                             "zero_ext.nvme.aio.aligned_empty")
         return buffer.numel() * buffer.element_size()
 
     def _submit(self, kind: str, buffer: torch.Tensor, file, offset: int) -> AioRequest:

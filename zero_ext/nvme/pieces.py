@@ -3,7 +3,7 @@
 Each optimizer sub-group keeps its trainable pieces back to back in one buffer (ShardGroup.flat, whose
 views are the parameters' ``ds_tensor``); that buffer is one swap group here, and each frozen (or, in
 a forward-only engine, every) piece is a group of its own. Outside a use, the buffer and the pieces are
-empty tensors (identity kept, as in nvme_states.py). The pieces are brought into host memory only where
+empty tensors (identity kept, as in nvme/store.py). The pieces are brought into host memory only where
 they are used, through the store's ``buffer_count`` buffers:
 - a gather reads each piece and copies it out at once (``read``): one buffer at a time; up to
   ``offload_param.max_in_cpu`` elements of recently read groups stay cached in host memory (exact

@@ -1,4 +1,4 @@
-"""zero_ext.nvme_states: groups of CPU tensors (fp32 masters, optimizer states) kept on NVMe.
+"""zero_ext.nvme.store: groups of CPU tensors (fp32 masters, optimizer states) kept on NVMe.
 
     store = NVMeStateStore("/local_nvme", buffer_count=4)
     store.register(i, [master, exp_avg, exp_avg_sq])        # written out; their storage is released
@@ -53,7 +53,7 @@ BUFFER_COUNT_KEY = "offload_optimizer.buffer_count"
 
 
 class SwapState(enum.Enum):
-    """Where a group's data is (docs/design.md's SwapState)."""
+    """Where a group's data is (docs/nvme.md, SwapState)."""
     ON_NVME = "on_nvme"            # valid in its file; tensors released (its buffer may hold a clean copy)
     SWAPPING_IN = "swapping_in"    # a buffer is taken and the read may be in flight
     IN_MEMORY = "in_memory"        # tensors are views of the buffer (resident)

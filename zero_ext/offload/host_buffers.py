@@ -1,4 +1,4 @@
-"""zero_ext.host_buffers: how the engine allocates large host tensors.
+"""zero_ext.offload.host_buffers: how the engine allocates large host tensors.
 
 - ``aligned_empty``: page-aligned buffers for O_DIRECT I/O, from 2 MiB up on transparent huge pages.
 - ``host_empty``: long-lived large state (offloaded masters, gradient partitions, CPU optimizer

@@ -5,7 +5,7 @@ keep their state in the same optimizer (one state dict, one checkpoint), so the 
 those tensors to these functions. Each is the formula its C kernel documents (csrc/cpu_adam.c,
 cpu_optim_adagrad.c, cpu_optim_lion.c), one torch operation per step of it; on a GPU torch's
 kernels round sqrt/division/FMA their own way, so results agree with the C kernel within a few ulp
-rather than bit for bit (tests/test_offload.py states the bound).
+rather than bit for bit (tests/test_offload_engine.py states the bound).
 """
 import math
 

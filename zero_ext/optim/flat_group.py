@@ -8,7 +8,7 @@
   When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
   the parameters directly, and fp32 training holds no second copy of its partition.
 - ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
-- With optimizer offload (``host``, offload.py) ``master`` and ``grad`` are host-memory tensors of their
+- With optimizer offload (``host``, offload/plan.py) ``master`` and ``grad`` are host-memory tensors of their
   own — never views of ``flat`` — and the step writes the new values back into ``flat``.
 - ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
   parameters' ``.grad``, so autograd accumulates straight into it and the reduction at the

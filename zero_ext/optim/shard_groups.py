@@ -6,7 +6,7 @@ Here:
   boundaries). Its parameters' pieces are moved back to back into one buffer (DeepSpeed's
   "defragmentation"), so the fp32 master of the sub-group is one tensor — the buffer itself when the
   model is fp32 — and so is its fp32 gradient partition. It has FlatGroup's interface, so the step
-  pipeline (zero_optimizer.py) and the state routines (state.py) serve stage 3 unchanged.
+  pipeline (zero_optimizer.py) and the state routines (utils/safe_state.py) serve stage 3 unchanged.
 - ``ShardReducer``: each parameter's full gradient (handed over by ZeroModel once per backward) goes
   into a bucket; a full bucket is laid out rank-major (planner.shard_bucket_pieces: rank r's block
   holds piece r of every parameter) and reduce-scattered — NCCL's reduce_scatter_tensor, or on gloo an
@@ -49,7 +49,7 @@ class ShardGroup:
         for zp, off, s in zip(zparams, self.offsets, self.shards):
             zp.replace_shard(self.flat[off:off + s])
         fp32 = self.dtype == torch.float32
-        # with optimizer offload (offload.py) the master and gradient partition are host tensors of their own
+        # with optimizer offload (offload/plan.py) the master and gradient partition are host tensors of their own
         self.offloaded = host is not None
         self.host = host
         if self.offloaded:

@@ -256,7 +256,7 @@ class ZeroOptimizer:
 
     def attach_nvme(self, store, pipeline_read: bool, pipeline_write: bool, fast_init: bool,
                     sub_group_size: Optional[int] = None) -> None:
-        """Moves every group's fp32 master and optimizer state to NVMe (nvme_states.NVMeStateStore).
+        """Moves every group's fp32 master and optimizer state to NVMe (nvme/store.py, NVMeStateStore).
         The state is created now (zeros, step 0: what the first step would create); with ``fast_init``
         the masters are written from the 16-bit partitions chunk by chunk, never whole in memory.
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""

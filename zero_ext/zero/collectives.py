@@ -2,7 +2,7 @@
 
 They hold no state and know nothing of modules or ZeroParams, so the communication schedule can be
 read from the callers (fetch.py, convert.py, gathered.py) alone. Layouts come from the planner
-(zero_ext.planner, see docs/design.md "Layouts"), never recomputed here.
+(zero_ext._native.planner, see docs/design.md "Layouts"), never recomputed here.
 
 [Note: coalesced all-gather]
 Gathering the parameters of one module is one collective. Each rank lays its pieces out in one block,

@@ -17,7 +17,7 @@ learn when a constructor returns. zero_ext watches construction through document
   a parameter is partitioned at the first torch call after its constructor returns, and in particular
   before the next allocation. So a rank holds at most its pieces plus the parameters of the modules
   still under construction (the chain of constructors on the stack: in practice one module) -- the
-  bound test_zero3_memory.py measures. For factory calls (``torch.empty``, ``randn``, ``zeros_like``,
+  bound test_zero_memory.py measures. For factory calls (``torch.empty``, ``randn``, ``zeros_like``,
   ...) the same mode supplies the local device and, when Init has a dtype, casts new floating-point
   tensors to it (DeepSpeed's tensor overrides).
 - ``copy.deepcopy`` of a pending parameter (``nn.TransformerEncoder`` deep-copies the finished layer it
@@ -175,7 +175,7 @@ class _ConstructionMode(TorchFunctionMode):
 class _InitSwap:
     """remote_device "nvme": one swap store for the pieces this Init makes, opened at the first one (each
     piece is written and its host memory released as soon as its module is built; initialize moves the
-    trainable ones into the engine's sub-group files, nvme_params.py)."""
+    trainable ones into the engine's sub-group files, nvme/pieces.py)."""
 
     def __init__(self, section, aio):
         self.section, self.aio, self._pieces = section, aio, None

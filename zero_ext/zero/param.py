@@ -113,7 +113,7 @@ class ZeroParam:
         self.gathers = 0  # how many times the parameter was gathered (diagnostics and tests)
         self.pending_gather = None  # while INFLIGHT: the collective filling the storage (fetch.py waits on it)
         self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
-        self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme_params.NVMePieces)
+        self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme/pieces.py, NVMePieces)
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
