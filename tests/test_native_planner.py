@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import partition_ref as ref
+from helpers import planner_ref as ref
 from zero_ext._native import planner
 
 settings.register_profile("zero_ext", max_examples=300, deadline=None)

@@ -1,4 +1,4 @@
-/* bind_planner.c - zero_ext._C's partition planner (partition.h) and SIMD level (cpu_features.h). */
+/* bind_planner.c - zero_ext._C's partition planner (planner.h) and SIMD level (cpu_features.h). */
 #include "bindings.h"
 
 #include <errno.h>
@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "cpu_features.h"
-#include "partition.h"
+#include "planner.h"
 
 /* Pieces as a list of 6-tuples (param, rank, param_offset, part_offset, bucket_offset, length). */
 static PyObject *piece_list(const zx_piece *p, int64_t n)
@@ -79,7 +79,7 @@ static int numels_and_order(PyObject *seq, PyObject *oseq, int64_t **numel, Py_s
 }
 
 /* ---------------------------------------------------------------------------------------------------
- * Partition planner (partition.h) */
+ * Partition planner (planner.h) */
 
 PyDoc_STRVAR(flat_layout_doc,
 	     "flat_layout(numels, world, align) -> (padded, offsets)\n\n"

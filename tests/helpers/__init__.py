@@ -5,7 +5,7 @@ Files:
 - harness.py: ``run_ranks(n, fn, ...)``, a function on N gloo ranks through pooled worker processes.
 - models.py: the small engine-test models (MLP, TinyGPT) and ``MODELS`` by name.
 - zero3.py: ZeRO-3 parameter-layer helpers (rank, full_values, grads, same_tensors) and models.
-- partition_ref.py: a pure-Python reference of the C partition planner (csrc/partition.c).
+- planner_ref.py: a pure-Python reference of the C planner (csrc/planner.c).
 - engine.py: what engine tests read back from a trained engine (full parameters, fp32 masters).
 - cpu_optim.py: the ISA list and the two-thread fixture of the C CPU optimizer tests.
 - fs.py: a forked child (``in_child``), a file system of the test's own (``mount``) and ``mounts``.

@@ -1,4 +1,4 @@
-"""Where every element of a ZeRO model lives: the layouts computed by the C planner (csrc/partition.c).
+"""Where every element of a ZeRO model lives: the layouts computed by the C planner (csrc/planner.c).
 
 Stage 1/2 lay each param group out flat and cut it into equal partitions; stage 3 cuts each parameter
 into ``world`` shards of ``ceil(numel / world)``. Both match DeepSpeed's layouts, so checkpoints keep

@@ -45,7 +45,7 @@ class NVMePieces:
         self._views[key] = list(members)
         for zp, _, _ in members:
             self._key_of[id(zp)] = key
-            zp.piece_io = self
+            zp.place_piece(self)
             self._owners.append(zp)
         self._point(key, None)
 
@@ -58,7 +58,7 @@ class NVMePieces:
         self.store.register(key, [zp.shard])
         self._views[key] = []
         self._key_of[id(zp)] = key
-        zp.piece_io = self
+        zp.place_piece(self)
         self._owners.append(zp)
 
     def forget(self, zp) -> None:
@@ -71,7 +71,7 @@ class NVMePieces:
         if dropped is not None:
             self._cached -= dropped.numel()
         self._owners = [o for o in self._owners if o is not zp]
-        zp.piece_io = None
+        zp.place_piece(None)
 
     def _point(self, key, flat) -> None:
         """The pieces of a buffer group follow its storage: views of it while resident, empty otherwise."""
@@ -181,7 +181,7 @@ class NVMePieces:
             if self._views[k]:
                 self._point(k, copy)
         for zp in self._owners:
-            zp.piece_io = None
+            zp.place_piece(None)
         self._views, self._key_of, self._owners = {}, {}, []
 
     def nvme_bytes(self) -> int:

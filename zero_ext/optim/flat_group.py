@@ -2,7 +2,7 @@
 
 [Note: flat group tensors]
 - ``flat``: every trainable parameter of the group laid end to end in the model's dtype, padded to the
-  planner's layout (csrc/partition.c); each parameter's ``.data`` is a view of it, so the model computes
+  planner's layout (csrc/planner.c); each parameter's ``.data`` is a view of it, so the model computes
   on it unchanged and one all-gather refreshes all of it after a step.
 - ``master``: this rank's fp32 partition ``[lo, hi)`` of ``flat``, the tensor the optimizer updates.
   When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in

@@ -6,7 +6,7 @@
   all-reduce of which each rank keeps its partition: twice the traffic, the same numbers).
 - Stage 2 (``BucketReducer``): gradients are reduced during backward, bucket by bucket, as they become
   ready. A bucket filled in ready order is not split evenly by rank, so it is copied owner-major (the
-  runs each rank owns, back to back, planned by csrc/partition.c) and each owner's region is reduced
+  runs each rank owns, back to back, planned by csrc/planner.c) and each owner's region is reduced
   to that owner alone (``dist.reduce``): every element crosses the network once, to the one rank that
   needs it. With ``overlap_comm`` the reductions are asynchronous and two bucket buffers alternate;
   they are waited on at the end of backward. The parameters' ``.grad`` is freed as soon as its bucket

@@ -1,6 +1,6 @@
 """safe_get / safe_set: read and change partitioned state one parameter at a time (stages 0-3).
 
-Where a parameter's elements live is the planner's fragment map (csrc/partition.c): in stages 1/2 each
+Where a parameter's elements live is the planner's fragment map (csrc/planner.c): in stages 1/2 each
 parameter is one contiguous run of its group's flat buffer, so this rank holds at most one fragment of
 it. Full forms rebuild the whole tensor from every rank's fragment (an all-reduce of a zero buffer
 holding this rank's fragment) and are therefore **collective**: every rank must call them, with the
@@ -137,6 +137,14 @@ def _value(value: torch.Tensor, w: _Where) -> torch.Tensor:
     return value.detach().to(device=w.g.master.device, dtype=torch.float32)
 
 
+def _local_value(value: torch.Tensor, w: _Where, what: str) -> torch.Tensor:
+    """A local setter's value, flat, checked against this rank's fragment."""
+    value = _value(value, w).reshape(-1)
+    if value.numel() != w.local_length:
+        raise ValueError(f"{what}: this rank's fragment has {w.local_length} elements, the value {value.numel()}")
+    return value
+
+
 # -- read -------------------------------------------------------------------------------------------------
 
 @_collective
@@ -212,10 +220,7 @@ def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
     w = _where(param)
     if w is None:
         return
-    value = _value(value, w).reshape(-1)
-    if value.numel() != w.local_length:
-        raise ValueError(f"safe_set_local_fp32_param: this rank's fragment has {w.local_length} elements, the "
-                         f"value {value.numel()}")
+    value = _local_value(value, w, "safe_set_local_fp32_param")
     with torch.no_grad():
         w.local(w.g.master).copy_(value)
         lo = w.g.lo + w.part_offset
@@ -237,10 +242,7 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
     if w is None:
         return
     grads = _grads(w, "safe_set_local_grad")
-    value = _value(value, w).reshape(-1)
-    if value.numel() != w.local_length:
-        raise ValueError(f"safe_set_local_grad: this rank's fragment has {w.local_length} elements, the value "
-                         f"{value.numel()}")
+    value = _local_value(value, w, "safe_set_local_grad")
     w.local(grads).copy_(value * w.opt.cur_scale)
 
 
@@ -261,10 +263,7 @@ def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: 
     if w is None:
         return
     state = _state(w, optim_state_key, "safe_set_local_optimizer_state")
-    value = _value(value, w).reshape(-1)
-    if value.numel() != w.local_length:
-        raise ValueError(f"safe_set_local_optimizer_state: this rank's fragment has {w.local_length} elements, "
-                         f"the value {value.numel()}")
+    value = _local_value(value, w, "safe_set_local_optimizer_state")
     w.local(state).copy_(value)
 
 

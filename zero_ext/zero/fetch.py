@@ -87,7 +87,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                                                               [zp.numel for zp in bucket], group)
                 gather = _Gather(pending, bucket)
                 for zp in bucket:
-                    zp.pending_gather = gather
+                    zp.await_gather(gather)
                     issued += zp.numel
     return issued
 
@@ -112,7 +112,6 @@ class _Gather:
         self.pending.wait()
         params, self.params = self.params, []
         for zp in params:
-            zp.pending_gather = None
             zp.to_gathered()
 
 

@@ -78,7 +78,7 @@ class ZeroModel:
         self._params = self._name_params()
         self.meter = GatherMeter()
         for zp in self._params:
-            zp.meter = self.meter
+            zp.attach_meter(self.meter)
             if zp.status is not ZeroParamStatus.NOT_AVAILABLE and not zp.persist:
                 self.meter.adjust(zp.numel)  # gathered already (an enclosing GatheredParameters)
         self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
@@ -127,7 +127,7 @@ class ZeroModel:
         for name, p in self.module.named_parameters():
             zp = zero_param_of(p)
             if zp is not None and id(zp) not in params:
-                zp.name = name
+                zp.rename(name)
                 params[id(zp)] = zp
         return list(params.values())
 
@@ -287,5 +287,5 @@ class ZeroModel:
             zp.set_persistent(False)
         self.persistent = []
         for zp in self._params:
-            zp.meter = None
+            zp.attach_meter(None)
         _INSTALLED.pop(self.module, None)

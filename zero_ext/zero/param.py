@@ -171,6 +171,7 @@ class ZeroParam:
         self._assert_status(ZeroParamStatus.INFLIGHT)
         self.param.data = self._full
         self.status = ZeroParamStatus.AVAILABLE
+        self.pending_gather = None
         self._publish()
 
     def to_partitioned(self) -> None:
@@ -191,6 +192,26 @@ class ZeroParam:
             self._padded.untyped_storage().resize_(0)  # see [Note: freeing gathered storage]
         self.status = ZeroParamStatus.NOT_AVAILABLE
         self._publish()
+
+    def await_gather(self, gather) -> None:
+        """INFLIGHT: ``gather`` (fetch.py) is the collective filling the storage; to_gathered ends it."""
+        self._assert_status(ZeroParamStatus.INFLIGHT)
+        self.pending_gather = gather
+
+    # -- where it belongs --------------------------------------------------------------------------------
+
+    def attach_meter(self, meter) -> None:
+        """The GatherMeter of the ZeroModel this parameter now belongs to (None: it left it)."""
+        self.meter = meter
+
+    def rename(self, name: str) -> None:
+        """The parameter's qualified name in its model (for messages)."""
+        self.name = name
+
+    def place_piece(self, piece_io) -> None:
+        """Where the piece lives: an NVMePieces store (nvme/pieces.py), or None for this ZeroParam's own
+        ``shard``."""
+        self.piece_io = piece_io
 
     # -- the piece ---------------------------------------------------------------------------------------
 

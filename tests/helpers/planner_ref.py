@@ -1,4 +1,4 @@
-"""A small pure-Python reference of the partition planner (csrc/partition.c), written from the layout
+"""A small pure-Python reference of the partition planner (csrc/planner.c), written from the layout
 rules in docs/design.md rather than from the C code: slow, obvious, and only for tests."""
 from math import ceil
 

@@ -1,5 +1,5 @@
-/* partition.c - the layouts of partition.h: flat stage 1/2 partitions, stage 3 shards, buckets. */
-#include "partition.h"
+/* planner.c - the layouts of planner.h: flat stage 1/2 partitions, stage 3 shards, buckets. */
+#include "planner.h"
 
 #include <errno.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-/* partition.h - where every element of a ZeRO model lives: flat layouts, shards, sub-groups, buckets.
+/* planner.h - where every element of a ZeRO model lives: flat layouts, shards, sub-groups, buckets.
  *
  * Pure arithmetic on element counts; no tensors, no allocation. Every later part of zero_ext (the stage
  * 1/2/3 optimizers, NVMe swapping, checkpoints) reads its layout from here, so the layouts are decided
@@ -15,8 +15,8 @@
  * array and its capacity, write at most `cap` entries and return how many there are in all, so a caller
  * may ask with cap = 0 first (snprintf's contract).
  */
-#ifndef ZX_PARTITION_H
-#define ZX_PARTITION_H
+#ifndef ZX_PLANNER_H
+#define ZX_PLANNER_H
 
 #include <stdint.h>
 
@@ -87,4 +87,4 @@ int64_t zx_shard_bucket_pieces(const int64_t *numel, int64_t n, int64_t world, c
 int64_t zx_buckets(const int64_t *size, int64_t n, const int64_t *order, int64_t bucket_size,
 		   int64_t *bucket_of);
 
-#endif /* ZX_PARTITION_H */
+#endif /* ZX_PLANNER_H */
