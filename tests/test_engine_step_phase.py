@@ -47,7 +47,7 @@ def _attempt(log, label, engine, call):
     log.append((label, engine.phase.name, error))
 
 
-def _life(stage):
+def _life(stage, save_dir):
     from zero_ext import utils
 
     engine = _engine(stage)
@@ -73,6 +73,9 @@ def _life(stage):
     _attempt(log, "zero_grad", engine, lambda: engine.zero_grad())
     _attempt(log, "backward again", engine, lambda: engine.backward(loss()))
     _attempt(log, "zero_grad after backward", engine, lambda: engine.zero_grad())
+    engine.backward(loss())
+    _attempt(log, "second backward in one micro step", engine, lambda: engine.backward(loss()))
+    engine.zero_grad()
 
     def step_in_no_sync():
         with engine.no_sync():
@@ -83,11 +86,14 @@ def _life(stage):
     engine.offload_states()
     _attempt(log, "forward while offloaded", engine, lambda: engine(MLP.batch(2, gen)[0]))
     _attempt(log, "backward while offloaded", engine, lambda: engine.backward(torch.ones((), requires_grad=True) * 2))
+    _attempt(log, "step while offloaded", engine, lambda: engine.step())
     engine.reload_states()
     late = loss()  # (after destroy, a stage-3 model's forward has no gathered weights)
     _attempt(log, "destroy", engine, lambda: engine.destroy())
     _attempt(log, "backward after destroy", engine, lambda: engine.backward(late))
     _attempt(log, "step after destroy", engine, lambda: engine.step())
+    _attempt(log, "forward after destroy", engine, lambda: engine(MLP.batch(2, gen)[0]))
+    _attempt(log, "save_checkpoint after destroy", engine, lambda: engine.save_checkpoint(save_dir))
     forward_only = _engine(stage, optimizer=False)
     log.append(("forward-only", forward_only.phase.name, None))
     _attempt(log, "forward-only backward", forward_only, lambda: forward_only.backward(forward_only.module.loss(
@@ -100,10 +106,11 @@ def _life(stage):
 GRADS_NONE = "there are no gradients now"
 BOUNDARY = "only at the gradient-accumulation boundary"
 AVERAGED = "were already averaged across ranks"
+TWICE = "warning: engine.backward() was called again before engine.step()"
 
 
 @pytest.mark.parametrize("stage,world", [(0, 1), (1, 2), (2, 2), (3, 1)])
-def test_every_misuse_is_an_error_of_the_phase_it_happens_in(stage, world):
+def test_every_misuse_is_an_error_of_the_phase_it_happens_in(stage, world, tmp_path):
     early = stage < 2  # stages 0/1 average gradients only at the boundary, so a read there is final
     expect = [
         ("fresh", "IDLE", None),
@@ -114,27 +121,34 @@ def test_every_misuse_is_an_error_of_the_phase_it_happens_in(stage, world):
         ("micro step", "ACCUMULATED", None),
         ("backward at the boundary", "BACKWARD", None),
         ("read at the boundary", "REDUCED" if early else "BACKWARD", None),
-        ("backward after the read", "REDUCED" if early else "BACKWARD", AVERAGED if early else None),
+        ("backward after the read", "REDUCED" if early else "BACKWARD", AVERAGED if early else TWICE),
         ("boundary step", "IDLE", None),
         ("read after the step", "IDLE", GRADS_NONE),
         ("loss.backward() then step", "IDLE", "engine.backward() was not called since the last step"),
         ("zero_grad", "IDLE", None),
         ("backward again", "BACKWARD", None),
         ("zero_grad after backward", "IDLE", None),
+        ("second backward in one micro step", "BACKWARD", TWICE if early else None),
         ("step inside no_sync", "BACKWARD",
          "engine.step() inside engine.no_sync()" if early else "engine.no_sync() is incompatible with ZeRO stage"),
         ("forward while offloaded", "IDLE", "engine.forward: lp_params"),
         ("backward while offloaded", "IDLE", "engine.backward: "),
+        ("step while offloaded", "IDLE", "engine.step: "),
         ("destroy", "DESTROYED", None),
         ("backward after destroy", "DESTROYED", "engine.backward: this engine was destroyed"),
         ("step after destroy", "DESTROYED", "engine.step: this engine was destroyed"),
+        ("forward after destroy", "DESTROYED",
+         "engine.forward: this engine was destroyed (engine.destroy())" + (
+             "; its ZeRO-3 parameters stay partitioned" if stage == 3 else "")),
+        ("save_checkpoint after destroy", "DESTROYED", "engine.save_checkpoint: this engine was destroyed"),
         ("forward-only", "FORWARD_ONLY", None),
         ("forward-only backward", "FORWARD_ONLY", "engine.backward: this engine has no optimizer"),
         ("forward-only step", "FORWARD_ONLY", "engine.step: this engine has no optimizer"),
     ]
     if not early:  # no_sync refuses at once: no backward ran inside it
-        expect[15] = ("step inside no_sync", "IDLE", expect[15][2])
-    for log in run_ranks(world, _life, stage):
+        i = [e[0] for e in expect].index("step inside no_sync")
+        expect[i] = ("step inside no_sync", "IDLE", expect[i][2])
+    for log in run_ranks(world, _life, stage, str(tmp_path)):
         assert [(label, phase) for label, phase, _ in log] == [(label, phase) for label, phase, _ in expect]
         for (label, _, error), (_, _, want) in zip(log, expect):
             if want is None:

@@ -12,9 +12,14 @@
 5. hands all of it to ZeroEngine, which only runs it.
 
 The OffloadPlan is read from the config once, here, and given to everything that needs it.
+
+A build that fails is undone (hooks removed, swap files deleted, parameters the build partitioned made
+whole again), so the model is as it was and ``initialize`` can be called again. A model whose
+parameters a live engine still steps is handed over: that engine is destroyed first, with a warning.
 """
 import logging
 import os
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm
 from .config import ConfigError
-from .engine import ZeroEngine
+from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
 from .nvme.pieces import NVMePieces
 from .nvme.store import NVMeStateStore
 from .nvme.swap_dir import check_nvme_path
@@ -35,7 +40,7 @@ from .optim.loss_scaler import scaler_from_config
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
-from .zero import ZeroModel
+from .zero import ZeroModel, unpartition
 from .zero.leaf import apply_leaf_config
 from .zero.param import zero_param_of
 
@@ -50,29 +55,66 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     torch optimizer or a callable taking ``groups``), or None: then the config's section, if any, builds
     one (without either the engine runs forward only)."""
     world, rank = comm.get_world_size(), comm.get_rank()
+    _hand_over(model)
     device = _device()
     plan = OffloadPlan(cfg.zero_optimization)
-    zero_model = _place_model(model, cfg, device, world, plan)
-    base = _base_optimizer(model, cfg, optimizer, groups, plan)
-    nvme_pieces = None
-    if plan.param_device == "nvme":
-        nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
-    zopt = None
-    if base is not None:
-        zopt = _zero_optimizer(base, cfg, plan, zero_model, nvme_pieces, device, rank, world)
-        if plan.optimizer_device == "nvme":
-            _attach_nvme(zopt, cfg)
-    if nvme_pieces is not None:
-        _add_other_pieces(model, nvme_pieces)
-    scheduler = None
-    if base is not None:  # a client scheduler (object, or callable taking the optimizer) wins over the config's
-        scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, zopt, basic_optimizer=base)
-    engine = ZeroEngine(model, cfg, zopt, plan, device=device, zero_model=zero_model, nvme_pieces=nvme_pieces,
-                        lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
+    made = _Made()
+    try:
+        made.zero_model = _place_model(model, cfg, device, world, plan)
+        base = _base_optimizer(model, cfg, optimizer, groups, plan)
+        if plan.param_device == "nvme":
+            made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
+        if base is not None:
+            made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world)
+            if plan.optimizer_device == "nvme":
+                _attach_nvme(made.zopt, cfg)
+        if made.nvme_pieces is not None:
+            _add_other_pieces(model, made.nvme_pieces)
+        scheduler = None
+        if base is not None:  # a client scheduler (object, or callable taking the optimizer) wins over the config's
+            scheduler = configure_lr_scheduler(lr_scheduler, cfg.scheduler, made.zopt, basic_optimizer=base)
+    except BaseException:
+        made.undo(model, was_partitioned)
+        raise
+    engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
+                        nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)
     return engine
+
+
+class _Made:
+    """What a build has made so far, to undo it when a later part fails."""
+
+    zero_model = None
+    nvme_pieces = None
+    zopt = None
+
+    def undo(self, model: torch.nn.Module, was_partitioned) -> None:
+        if self.zopt is not None:
+            self.zopt.reducer.remove_hooks()
+            self.zopt.destroy_offload()
+            self.zopt.release()
+        if self.nvme_pieces is not None:
+            self.nvme_pieces.bring_home()  # (the swap files go; the pieces stay in memory)
+        if self.zero_model is not None:
+            self.zero_model.destroy()
+            # the parameters this build partitioned become whole again; zero.Init's stay as Init made them
+            unpartition([p for p in model.parameters() if id(p) not in was_partitioned])
+
+
+def _hand_over(model: torch.nn.Module) -> None:
+    """A model whose parameters (or which itself) a live engine holds: that engine is destroyed, as
+    DeepSpeed re-wraps such a model (its hooks would otherwise act on the new engine's gradients)."""
+    olds = {id(e): e for e in [engine_of_module(model)] + [engine_of(p) for p in model.parameters()]
+            if e is not None and e.phase is not StepPhase.DESTROYED}
+    for old in olds.values():
+        warnings.warn("zero_ext.initialize: this model is still held by another engine, which is now destroyed "
+                      "(its hooks and optimizer state are removed); call engine.destroy() yourself before "
+                      "building a new engine over the same model to silence this", RuntimeWarning, stacklevel=3)
+        old.destroy()
 
 
 def _device() -> torch.device:

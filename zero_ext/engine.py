@@ -65,14 +65,20 @@ TRANSITIONS: Dict[str, Dict[StepPhase, StepPhase]] = {
     "destroy": {p: _P.DESTROYED for p in StepPhase},
 }
 
-# trainable parameter -> the engine stepping it (weakly both ways), for the state routines
-# (utils/safe_state.py), which are given only the parameter
+# trainable parameter (or wrapped module) -> the engine stepping it (weakly both ways): for the state
+# routines (utils/safe_state.py), which are given only the parameter, and for a second initialize
 _ENGINE_OF = WeakIdKeyDictionary()
 
 
 def engine_of(param) -> Optional["ZeroEngine"]:
     """The live engine whose optimizer steps ``param``, or None."""
     ref = _ENGINE_OF.get(param)
+    return ref() if ref is not None else None
+
+
+def engine_of_module(module) -> Optional["ZeroEngine"]:
+    """The live engine wrapping ``module``, or None."""
+    ref = _ENGINE_OF.get(module)
     return ref() if ref is not None else None
 
 
@@ -98,6 +104,7 @@ class ZeroEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.phase = StepPhase.IDLE if optimizer is not None else StepPhase.FORWARD_ONLY
         self._step_applied = False  # what the last step() did (was_step_applied)
+        self._warned_second_backward = False
         self._boundary_override: Optional[bool] = None
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
@@ -107,8 +114,8 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer = optimizer
         self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
-        for p in optimizer.params() if optimizer is not None else []:
-            _ENGINE_OF[p] = weakref.ref(self)
+        for key in [module] + (optimizer.params() if optimizer is not None else []):
+            _ENGINE_OF[key] = weakref.ref(self)
 
     # -- the step lifecycle ([Note: the step lifecycle]) -------------------------------------------------
 
@@ -121,7 +128,9 @@ class ZeroEngine(torch.nn.Module):
 
     def _misuse(self, event: str, what: str) -> str:
         if self.phase is StepPhase.DESTROYED:
-            return (f"{what}: this engine was destroyed (engine.destroy()); build a new one with "
+            stage3 = ("; its ZeRO-3 parameters stay partitioned: read them under zero.GatheredParameters, or "
+                      "make them whole with zero_ext.zero.unpartition") if self.zero_optimization_stage() == 3 else ""
+            return (f"{what}: this engine was destroyed (engine.destroy()){stage3}; build a new one with "
                     "zero_ext.initialize")
         if self.phase is StepPhase.FORWARD_ONLY:
             return (f"{what}: this engine has no optimizer (initialize was given none and the config has no "
@@ -189,8 +198,15 @@ class ZeroEngine(torch.nn.Module):
                                      f"'{type(module).__name__}') has no attribute '{name}'") from None
 
     def forward(self, *args, **kwargs):
+        self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
         return self.module(*args, **kwargs)
+
+    def _require_alive(self, what: str) -> None:
+        """Nothing runs on a destroyed engine: its hooks, optimizer state and buffers are gone (a stage-3
+        model is still partitioned, and would fail deep inside torch)."""
+        if self.phase is StepPhase.DESTROYED:
+            raise RuntimeError(self._misuse(what, f"engine.{what}"))
 
     def _require_optimizer(self, what: str) -> None:
         if self.phase in (StepPhase.DESTROYED, StepPhase.FORWARD_ONLY):
@@ -239,6 +255,12 @@ class ZeroEngine(torch.nn.Module):
         self._require_loaded("backward", ("lp_params", "lp_grads"))
         if self.phase is StepPhase.REDUCED:
             self._advance("backward", "engine.backward")  # raises: the gradients are averaged already
+        if self.phase is StepPhase.BACKWARD and not self._warned_second_backward:
+            self._warned_second_backward = True
+            warnings.warn("engine.backward() was called again before engine.step(): the gradients of both "
+                          "backward passes are summed into this one micro step (the accumulation boundary counts "
+                          "step() calls, not backward calls). If each batch is meant as its own micro step, call "
+                          "engine.step() after each engine.backward()", RuntimeWarning, stacklevel=2)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
@@ -279,6 +301,7 @@ class ZeroEngine(torch.nn.Module):
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
                                "must be reduced before a step)")
+        self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self._refuse_gradients_from_outside_backward()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
@@ -287,7 +310,6 @@ class ZeroEngine(torch.nn.Module):
             return
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self._require_loaded("step")
             self._step_applied = self.optimizer.step()
             self._advance("boundary_step", "engine.step")
             if self._step_applied:
@@ -436,6 +458,7 @@ class ZeroEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
         """Collective: every rank writes its shard; see docs/checkpoints.md."""
+        self._require_alive("save_checkpoint")  # (its optimizer state is gone: the checkpoint would be incomplete)
         with self._state_in_memory(modified=False):
             return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
@@ -443,6 +466,7 @@ class ZeroEngine(torch.nn.Module):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
         """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
+        self._require_alive("load_checkpoint")
         with self._state_in_memory(modified=True):
             return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                    load_lr_scheduler_states, load_module_only, custom_load_fn)
@@ -463,6 +487,7 @@ class ZeroEngine(torch.nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Collective; rank 0 writes the weights (safetensors when the file name ends so)."""
+        self._require_alive("save_16bit_model")
         check_all_ranks_call("save_16bit_model", self.next_collective_seq())
         zc = self._config.zero_optimization
         if zc.stage == 3 and not zc.gather_16bit_weights_on_model_save:
@@ -491,10 +516,12 @@ class ZeroEngine(torch.nn.Module):
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False) -> None:
         """Moves the chosen kinds of state (OffloadStateTypeEnum; default all) to host memory."""
+        self._require_optimizer("offload_states")
         offload_state.offload_states(self, include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Brings every offloaded state back to the compute device, bit for bit."""
+        self._require_alive("reload_states")
         offload_state.reload_states(self, non_blocking)
 
     def destroy(self) -> None:

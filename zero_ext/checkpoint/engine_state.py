@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from . import layout as layout_of
 from ..comm import collective_check
-from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, read_manifest,
+from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
+                    find_tag_dir, publish_dir, read_manifest, reap_temporary_files, replaced_dir, staging_dir,
                     verified_load)
 from .zero_to_fp32 import param_values, piece_values
 
@@ -111,10 +112,17 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
     check_all_ranks_call("save_checkpoint", engine.next_collective_seq())
     rank, world = engine.global_rank, engine.world_size
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint's tag")
     _validate_tag(engine, tag)
-    tag_dir = os.path.join(save_dir, tag)
-    os.makedirs(tag_dir, exist_ok=True)
+    final_dir = os.path.join(save_dir, tag)
+    tag_dir = staging_dir(save_dir, tag)  # every rank writes here; rank 0 then puts it in place whole
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        reap_temporary_files(save_dir)
+        shutil.rmtree(tag_dir, ignore_errors=True)  # a killed save's leftovers
+        os.makedirs(tag_dir)
+    if world > 1:
+        dist.barrier()
     cfg = engine.config
     stage = cfg.zero_optimization.stage
     bf16 = cfg.bf16.enabled
@@ -139,8 +147,9 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world, "zero_stage": stage,
                     "bf16": bf16, "layout": layout_of.describe(engine), "files": files}
         atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
-        shutil.copyfile(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"),
-                        os.path.join(save_dir, "zero_to_fp32.py"))
+        publish_dir(tag_dir, final_dir, replaced_dir(save_dir, tag))
+        with open(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"), "rb") as f:
+            atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read())
         if save_latest:
             atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode())
     if world > 1:
@@ -225,8 +234,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                           RuntimeWarning, stacklevel=3)
             return None, None
         with open(latest) as f:
-            tag = f.read().strip()
-    tag_dir = os.path.join(load_dir, str(tag))
+            tag = check_tag(f.read().strip(), f"read from {latest}")
+    else:
+        tag = check_tag(str(tag), "load_checkpoint's tag")
+    tag_dir = find_tag_dir(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
     manifest = read_manifest(tag_dir)

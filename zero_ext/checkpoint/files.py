@@ -6,10 +6,17 @@ rank 0 records all of them, with the layout, in ``<tag>/zero_ext_manifest.json``
 writes ``latest``. A load checks each file against the manifest before unpickling it, so a truncated
 or corrupted shard is named, never silently loaded. Only torch is needed to read the files
 (``weights_only=True``): they hold tensors, dicts, lists and numbers.
+
+A tag's folder is written whole under a hidden name first and then put in place in one step
+(``publish_dir``), so saving again to an existing tag never loses the checkpoint it replaces.
 """
+import ctypes
+import errno
 import hashlib
 import json
 import os
+import shutil
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -127,3 +134,96 @@ def clone_tensors_for_torch_save(item, device=torch.device("cpu")):
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
+
+
+# -- folders --------------------------------------------------------------------------------------------------
+
+def check_tag(tag: str, source: str) -> str:
+    """``tag`` names one folder directly inside the checkpoint folder: a plain name, neither hidden nor a
+    path (``../x`` or an absolute path would write or read outside it). ``source`` says where it came
+    from, for the message."""
+    bad = (not tag or tag in (".", "..") or tag.startswith(".") or "\0" in tag
+           or any(sep and sep in tag for sep in (os.sep, os.altsep, "/")))
+    if bad:
+        raise CheckpointError(f"checkpoint tag {tag!r} ({source}) is not a plain folder name: a tag names one "
+                              "folder inside the checkpoint folder (no '/', not '.' or '..', not starting with '.')")
+    return tag
+
+
+def staging_dir(save_dir: str, tag: str) -> str:
+    """Where a save of ``tag`` is written before it replaces the tag's folder (see publish_dir)."""
+    return os.path.join(save_dir, f".{tag}.saving")
+
+
+def replaced_dir(save_dir: str, tag: str) -> str:
+    """Where the previous folder of ``tag`` waits while a save replaces it without renameat2."""
+    return os.path.join(save_dir, f".{tag}.replaced")
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swaps two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where that is not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"cannot swap {a} and {b}: {os.strerror(err)}")
+
+
+def publish_dir(staging: str, final: str, aside: str) -> None:
+    """Makes the complete folder ``staging`` the folder ``final``, in one atomic step when ``final``
+    exists already (renameat2 exchange), so a save killed at any point leaves either the old checkpoint
+    or the new one under the tag, never a mix. Where the exchange is refused, the old folder is moved to
+    ``aside`` first, and a load finds it there (find_tag_dir)."""
+    parent = os.path.dirname(os.path.abspath(final))
+    if not os.path.exists(final):
+        os.rename(staging, final)
+    elif _exchange(staging, final):
+        shutil.rmtree(staging)  # (now the old folder)
+    else:
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(final, aside)
+        os.rename(staging, final)
+        shutil.rmtree(aside)
+    _fsync_dir(parent)
+
+
+def find_tag_dir(load_dir: str, tag: str) -> str:
+    """The folder of ``tag``: normally ``load_dir/tag``; after a save killed between the two renames of
+    publish_dir's fallback, the previous checkpoint under its aside name."""
+    final = os.path.join(load_dir, tag)
+    aside = replaced_dir(load_dir, tag)
+    if not os.path.isdir(final) and os.path.isdir(aside):
+        warnings.warn(f"load_checkpoint: {final} is missing but {aside} holds the checkpoint a killed save was "
+                      "replacing; loading that one", RuntimeWarning, stacklevel=3)
+        return aside
+    return final
+
+
+def reap_temporary_files(folder: str) -> None:
+    """Removes ``*.tmp.<pid>`` files of this host's processes that no longer run (killed saves)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        stem, dot, pid = name.rpartition(".tmp.")
+        if not dot or not stem or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass

@@ -1,0 +1,193 @@
+"""The folders of a checkpoint: a save to an existing tag replaces it whole or not at all (also when the
+process is killed midway), killed saves leave nothing behind for long, and a tag or a `latest` file can
+only name a folder inside the checkpoint folder."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+from helpers import ROOT
+from helpers.harness import run_ranks
+from helpers.models import MLP
+
+
+def _engine():
+    import zero_ext
+
+    torch.manual_seed(0)
+    return zero_ext.initialize(model=MLP(), config={"train_micro_batch_size_per_gpu": 2,
+                                                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                                                   "zero_optimization": {"stage": 2}})[0]
+
+
+def _train(engine, seed):
+    gen = torch.Generator().manual_seed(seed)
+    engine.backward(engine.module.loss(MLP.batch(2, gen)))
+    engine.step()
+
+
+def _values(engine):
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _same(a, b):
+    return all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _failed_resave_keeps_the_old(root):
+    import zero_ext.checkpoint.engine_state as ck
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="t")
+    saved = _values(engine)
+    _train(engine, 2)
+    real = ck.atomic_torch_save
+
+    def failing(obj, path):
+        raise OSError(28, "No space left on device (injected)", path)
+
+    ck.atomic_torch_save = failing
+    try:
+        engine.save_checkpoint(root, tag="t")
+        error = None
+    except OSError as exc:
+        error = exc.strerror
+    finally:
+        ck.atomic_torch_save = real
+    _train(engine, 3)
+    path, _ = engine.load_checkpoint(root, tag="t")
+    kept = _same(_values(engine), saved)
+    engine.save_checkpoint(root, tag="t")  # the next save clears the failed one's folder
+    hidden = sorted(n for n in os.listdir(root) if n.startswith("."))
+    engine.destroy()
+    return error, os.path.basename(path), kept, hidden
+
+
+def test_a_failed_save_to_an_existing_tag_keeps_the_previous_checkpoint(tmp_path):
+    for error, path, kept, hidden in run_ranks(2, _failed_resave_keeps_the_old, str(tmp_path)):
+        assert error == "No space left on device (injected)"
+        assert path == "t" and kept
+        assert hidden == []
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch, zero_ext
+    sys.path.insert(0, {tests!r})
+    from helpers.models import MLP
+    torch.manual_seed(0)
+    engine = zero_ext.initialize(model=MLP(), config={{"train_micro_batch_size_per_gpu": 2,
+        "optimizer": {{"type": "AdamW"}}, "zero_optimization": {{"stage": 1}}}})[0]
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.fill_(1.0)
+    engine.save_checkpoint({root!r}, tag="t")
+    print("ready", flush=True)
+    k = 1
+    while True:  # saves the same tag again and again, each time with every weight equal to k
+        k += 1
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.fill_(float(k))
+            for g in engine.optimizer.flat_groups:
+                g.master.copy_(g.flat[g.lo:g.hi])
+        engine.save_checkpoint({root!r}, tag="t")
+""")
+
+
+def _load_whole(root):
+    import zero_ext
+
+    torch.manual_seed(0)
+    engine = zero_ext.initialize(model=MLP(), config={"train_micro_batch_size_per_gpu": 2,
+                                                     "optimizer": {"type": "AdamW"},
+                                                     "zero_optimization": {"stage": 1}})[0]
+    engine.load_checkpoint(root, tag="t")
+    values = {float(v) for p in engine.module.parameters() for v in p.detach().unique()}
+    engine.destroy()
+    return values
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_a_save_killed_at_any_moment_leaves_one_whole_checkpoint_under_the_tag(tmp_path, trial):
+    root = str(tmp_path / "ckpt")
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(tests=os.path.join(ROOT, "tests"), root=root))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(random.Random(trial).uniform(0.05, 0.6))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    values = run_ranks(1, _load_whole, root)[0]
+    assert len(values) == 1  # one save's weights, all equal: never a mix of two saves
+
+
+def test_temporary_files_of_dead_processes_are_reaped(tmp_path):
+    from zero_ext.checkpoint.files import reap_temporary_files
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for name in (f"latest.tmp.{dead.pid}", f"latest.tmp.{os.getpid()}", "notes.txt", "x.tmp.abc"):
+        (tmp_path / name).write_text("x")
+    reap_temporary_files(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([f"latest.tmp.{os.getpid()}", "notes.txt", "x.tmp.abc"])
+
+
+def _bad_tags(root):
+    from zero_ext.checkpoint.files import CheckpointError
+
+    engine = _engine()
+    _train(engine, 1)
+    errors = []
+    for tag in ("../outside", "/abs", "a/b", ".hidden", ".."):
+        try:
+            engine.save_checkpoint(root, tag=tag)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+    engine.save_checkpoint(root, tag="good")
+    for content in (os.path.join(root, "good"), "../good"):
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write(content)
+        try:
+            engine.load_checkpoint(root)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+    engine.destroy()
+    return errors, sorted(os.listdir(os.path.dirname(root)))
+
+
+def test_a_tag_or_latest_cannot_name_a_folder_outside_the_checkpoint_folder(tmp_path):
+    root = str(tmp_path / "ckpt")
+    errors, beside = run_ranks(1, _bad_tags, root)[0]
+    assert len(errors) == 7 and all("is not a plain folder name" in e for e in errors)
+    assert "read from" in errors[-1] and "latest" in errors[-1]
+    assert beside == ["ckpt"]  # nothing was written next to the checkpoint folder
+
+
+def _replaced_aside(root):
+    from zero_ext.checkpoint.files import replaced_dir
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="t")
+    saved = _values(engine)
+    os.rename(os.path.join(root, "t"), replaced_dir(root, "t"))  # as a save killed between two renames leaves it
+    _train(engine, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine.load_checkpoint(root, tag="t")
+    engine.destroy()
+    return _same(_values(engine), saved), [str(w.message) for w in caught]
+
+
+def test_a_tag_left_aside_by_a_killed_fallback_swap_is_still_loaded(tmp_path):
+    same, warned = run_ranks(1, _replaced_aside, str(tmp_path))[0]
+    assert same and any("holds the checkpoint a killed save was replacing" in w for w in warned)
