@@ -255,12 +255,15 @@ class ZeroEngine(torch.nn.Module):
         self._require_loaded("backward", ("lp_params", "lp_grads"))
         if self.phase is StepPhase.REDUCED:
             self._advance("backward", "engine.backward")  # raises: the gradients are averaged already
-        if self.phase is StepPhase.BACKWARD and not self._warned_second_backward:
+        # (with accumulation, or a caller that sets the boundary itself as accelerate does, several backward
+        # passes per step are the plan; at gradient_accumulation_steps 1 they are usually a missing step())
+        if (self.phase is StepPhase.BACKWARD and not self._warned_second_backward
+                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None):
             self._warned_second_backward = True
-            warnings.warn("engine.backward() was called again before engine.step(): the gradients of both "
-                          "backward passes are summed into this one micro step (the accumulation boundary counts "
-                          "step() calls, not backward calls). If each batch is meant as its own micro step, call "
-                          "engine.step() after each engine.backward()", RuntimeWarning, stacklevel=2)
+            warnings.warn("engine.backward() was called again before engine.step() with gradient_accumulation_steps "
+                          "1: the gradients of both backward passes are summed into one step. Call engine.step() "
+                          "after each engine.backward(), or set gradient_accumulation_steps", RuntimeWarning,
+                          stacklevel=2)
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
