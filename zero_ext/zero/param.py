@@ -28,7 +28,8 @@ pre-backward hook re-gathers into the same storage before any of them is read (F
 its ``[Note: FSDP and autograd]``). Reading such a view while partitioned raises a RuntimeError
 ("setStorage: ... requiring a storage size"), never reads freed memory. The all-gather writes straight
 into ``_padded`` (one parameter) or is copied out into it (several, see collectives.py), so there is
-one allocation per gather and nothing to trim.
+one allocation per gather and nothing to trim. Storage torch cannot resize (a numpy array made of the
+gathered value inside GatheredParameters) is left to the array, and the next gather allocates anew.
 """
 import contextlib
 import weakref
@@ -189,7 +190,11 @@ class ZeroParam:
             self.meter.sub(self.numel)
         self.param.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
         if self._padded is not None:
-            self._padded.untyped_storage().resize_(0)  # see [Note: freeing gathered storage]
+            storage = self._padded.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)  # see [Note: freeing gathered storage]
+            else:  # shared with memory torch cannot resize (a numpy array of it, p.detach().numpy()):
+                self._padded = self._full = None  # leave it to its holder; the next gather allocates anew
         self.status = ZeroParamStatus.NOT_AVAILABLE
         self._publish()
 
