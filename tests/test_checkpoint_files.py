@@ -191,3 +191,32 @@ def _replaced_aside(root):
 def test_a_tag_left_aside_by_a_killed_fallback_swap_is_still_loaded(tmp_path):
     same, warned = run_ranks(1, _replaced_aside, str(tmp_path))[0]
     assert same and any("holds the checkpoint a killed save was replacing" in w for w in warned)
+
+
+def _damaged_shard(root):
+    import zero_ext.checkpoint.engine_state as ck
+    from zero_ext.checkpoint.files import CheckpointError
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="t")
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        path = os.path.join(root, "t", ck.optim_file(1, False))
+        data = bytearray(open(path, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    torch.distributed.barrier()
+    try:
+        engine.load_checkpoint(root, tag="t")
+        verdict = None
+    except CheckpointError as exc:
+        verdict = str(exc)
+    engine.destroy()
+    return verdict
+
+
+def test_a_damaged_shard_is_the_same_named_error_on_every_rank(tmp_path):
+    verdicts = run_ranks(2, _damaged_shard, str(tmp_path))
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0].startswith("rank 1: ") and "zero_pp_rank_1_mp_rank_00_optim_states.pt is corrupted" in verdicts[0]

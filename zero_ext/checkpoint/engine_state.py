@@ -238,15 +238,20 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     else:
         tag = check_tag(str(tag), "load_checkpoint's tag")
     tag_dir = find_tag_dir(load_dir, tag)
-    if not os.path.isdir(tag_dir):
-        raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
-    manifest = read_manifest(tag_dir)
-    state = verified_load(tag_dir, MODEL_FILE, manifest)
-    saved = manifest["layout"]
-    _check_layout(engine, saved, tag_dir)
     with_optimizer = load_optimizer_states and not load_module_only
-    # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone
-    shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
+
+    def read():
+        if not os.path.isdir(tag_dir):
+            raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
+        manifest = read_manifest(tag_dir)
+        state = verified_load(tag_dir, MODEL_FILE, manifest)
+        saved = manifest["layout"]
+        _check_layout(engine, saved, tag_dir)
+        # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone
+        shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
+        return state, saved, shards
+
+    state, saved, shards = _on_every_rank(engine, read)
     _load_module(engine, state, load_module_strict, saved, shards)
     opt = engine.optimizer
     if shards is not None:
@@ -267,6 +272,26 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if engine.world_size > 1:
         dist.barrier()
     return tag_dir, client_state
+
+
+def _on_every_rank(engine, read):
+    """Runs ``read`` on every rank and agrees on the verdict: a damaged or missing file found by one rank
+    is the same CheckpointError, naming the rank and the file, on every rank (instead of the others
+    failing later with a transport error, or hanging, in the collectives that follow)."""
+    try:
+        result, error = read(), None
+    except (CheckpointError, OSError) as exc:
+        result, error = None, exc
+    verdicts = [error and str(error)]
+    if engine.world_size > 1:
+        verdicts = [None] * engine.world_size
+        dist.all_gather_object(verdicts, error and str(error))
+    failed = [(r, v) for r, v in enumerate(verdicts) if v]
+    if failed:
+        if error is not None and len(failed) == 1:
+            raise CheckpointError(f"rank {engine.global_rank}: {error}") from error
+        raise CheckpointError("; ".join(f"rank {r}: {v}" for r, v in failed))
+    return result
 
 
 def _check_layout(engine, saved: Dict[str, Any], tag_dir: str) -> None:
