@@ -113,3 +113,28 @@ def test_a_second_initialize_over_a_held_model_hands_it_over(stage):
     for old_destroyed, warned, again, expected in run_ranks(2, _second_initialize, stage):
         assert old_destroyed and warned == 1
         assert again == pytest.approx(expected, rel=1e-6)
+
+
+def _mismatched(what):
+    import zero_ext
+
+    rank = torch.distributed.get_rank()
+    stage = 1 + rank if what == "stage" else 2
+    model = MLP(hidden=13 + rank) if what == "model" else MLP()
+    try:
+        zero_ext.initialize(model=model, config=_config(stage))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("what,named", [("stage", "stage=1"), ("model", "shapes=")])
+def test_ranks_with_another_config_or_model_fail_at_initialize_naming_it(what, named):
+    import time
+
+    start = time.monotonic()
+    errors = run_ranks(2, _mismatched, what, timeout=60)
+    assert time.monotonic() - start < 30
+    for error in errors:
+        assert error is not None and "zero_ext.initialize is collective and every rank must pass the same" in error
+        assert named in error and "every rank must build the same model with the same config" in error

@@ -17,6 +17,7 @@ A build that fails is undone (hooks removed, swap files deleted, parameters the 
 whole again), so the model is as it was and ``initialize`` can be called again. A model whose
 parameters a live engine still steps is handed over: that engine is destroyed first, with a warning.
 """
+import hashlib
 import logging
 import os
 import warnings
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .comm.collective_check import call_number, check_all_ranks_call
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
 from .nvme.pieces import NVMePieces
@@ -55,6 +57,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     torch optimizer or a callable taking ``groups``), or None: then the config's section, if any, builds
     one (without either the engine runs forward only)."""
     world, rank = comm.get_world_size(), comm.get_rank()
+    _agree_across_ranks(model, cfg)
     _hand_over(model)
     device = _device()
     plan = OffloadPlan(cfg.zero_optimization)
@@ -83,6 +86,24 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
                 cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
                 cfg.gradient_accumulation_steps, world)
     return engine
+
+
+def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:
+    """One small agreement before anything collective: a rank with another config or model would
+    otherwise hang, or abort inside gloo, at the first collective that does not match."""
+    zc = cfg.zero_optimization
+    params = [(n, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype), p.requires_grad)
+              for n, p in model.named_parameters()]
+    shapes = hashlib.sha256(repr(params).encode()).hexdigest()[:12]
+    devices = [getattr(getattr(section, "device", None), "value", getattr(section, "device", "none"))
+               for section in (zc.offload_optimizer, zc.offload_param)]
+    detail = (f"stage={zc.stage} precision={cfg.precision} micro_batch={cfg.train_micro_batch_size_per_gpu} "
+              f"accumulation={cfg.gradient_accumulation_steps} reduce_bucket_size={zc.reduce_bucket_size} "
+              f"allgather_bucket_size={zc.allgather_bucket_size} sub_group_size={zc.sub_group_size} "
+              f"offload_optimizer={devices[0]} offload_param={devices[1]} "
+              f"parameters={len(params)} shapes={shapes}")
+    check_all_ranks_call("zero_ext.initialize", call_number("initialize"), detail=detail,
+                         hint="; every rank must build the same model with the same config")
 
 
 class _Made:

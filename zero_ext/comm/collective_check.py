@@ -52,3 +52,13 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
             listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(details))
             raise error(f"{what} is collective and every rank must pass the same arguments, but they differ "
                         f"({listed}){hint}")
+
+
+def call_number(what: str) -> int:
+    """How many times this rank has called ``what`` under the current process group (1 for the first),
+    counted in the group's store, so a new group starts again at 1: the seq for check_all_ranks_call
+    of an API that has no object of its own to count with."""
+    if not dist.is_initialized():
+        return 0
+    store = dist.distributed_c10d._get_default_store()
+    return store.add(f"zero_ext/calls/{what}/{dist.get_rank()}", 1)
