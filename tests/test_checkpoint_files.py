@@ -219,4 +219,33 @@ def _damaged_shard(root):
 def test_a_damaged_shard_is_the_same_named_error_on_every_rank(tmp_path):
     verdicts = run_ranks(2, _damaged_shard, str(tmp_path))
     assert verdicts[0] == verdicts[1]
-    assert verdicts[0].startswith("rank 1: ") and "zero_pp_rank_1_mp_rank_00_optim_states.pt is corrupted" in verdicts[0]
+    assert verdicts[0].startswith("rank 1: ")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt is corrupted" in verdicts[0]
+
+
+def _enum_in_config(root):
+    import zero_ext
+    from zero_ext.checkpoint.engine_state import MODEL_FILE
+
+    def build():
+        torch.manual_seed(0)
+        return zero_ext.initialize(model=MLP(), config={
+            "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": zero_ext.OffloadDeviceEnum.cpu}}})[0]
+
+    engine = build()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="t")
+    saved = _values(engine)
+    engine.destroy()
+    state = torch.load(os.path.join(root, "t", MODEL_FILE), weights_only=True)  # anyone's loader
+    again = build()
+    again.load_checkpoint(root, tag="t")
+    same = _same(_values(again), saved)
+    again.destroy()
+    return state["ds_config"]["zero_optimization"]["offload_optimizer"]["device"], same
+
+
+def test_a_config_holding_enums_is_saved_as_plain_data_and_loads_back(tmp_path):
+    device, same = run_ranks(1, _enum_in_config, str(tmp_path))[0]
+    assert device == "cpu" and same

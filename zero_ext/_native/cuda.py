@@ -1,7 +1,8 @@
 """The CUDA library (libzx_cuda.so: NCCL collectives, CUDA kernels), loaded on first use only.
 
 It is a plain C library (csrc/cuda_api.h), not a Python extension, loaded with ctypes: `import zero_ext`
-never touches CUDA or NCCL (nothing in the engine calls it yet: the native-collectives issue does), and one build serves any Python and torch on the GPU machine. ctypes
+never touches CUDA or NCCL (nothing in the engine calls it yet: the native-collectives
+work will), and one build serves any Python and torch on the GPU machine. ctypes
 releases the GIL around every call.
 """
 import ctypes

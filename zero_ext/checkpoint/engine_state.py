@@ -30,8 +30,8 @@ import torch.distributed as dist
 from . import layout as layout_of
 from ..comm import collective_check
 from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
-                    find_tag_dir, publish_dir, read_manifest, reap_temporary_files, replaced_dir, staging_dir,
-                    verified_load)
+                    find_tag_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
+                    staging_dir, verified_load)
 from .zero_to_fp32 import param_values, piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
@@ -191,7 +191,7 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
         "global_steps": engine.global_steps, "global_samples": engine.global_samples,
         "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
         "dp_world_size": engine.world_size, "mp_world_size": 1, "zero_stage": engine.config.zero_optimization.stage,
-        "ds_config": engine.config.raw, "ds_version": f"zero_ext-{_version()}", "optimizer": None,
+        "ds_config": plain_data(engine.config.raw), "ds_version": f"zero_ext-{_version()}", "optimizer": None,
     }
 
 

@@ -11,6 +11,7 @@ A tag's folder is written whole under a hidden name first and then put in place 
 (``publish_dir``), so saving again to an existing tag never loses the checkpoint it replaces.
 """
 import ctypes
+import enum
 import errno
 import hashlib
 import json
@@ -134,6 +135,22 @@ def clone_tensors_for_torch_save(item, device=torch.device("cpu")):
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
+
+
+def plain_data(value: Any) -> Any:
+    """``value`` as JSON's types (dicts with string keys, lists, strings, numbers, booleans, None), for what
+    a checkpoint keeps of the user's own objects (the config): ``weights_only`` loading, ours or
+    anyone's, refuses other classes (an Enum a script put in its config would make the checkpoint
+    unloadable). Enums become their values; other objects their str()."""
+    if isinstance(value, enum.Enum):
+        return plain_data(value.value)
+    if isinstance(value, dict):
+        return {str(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
 
 
 # -- folders --------------------------------------------------------------------------------------------------
