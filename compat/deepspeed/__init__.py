@@ -32,9 +32,54 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in __ver
 from zero_ext import (DeepSpeedEngine, OffloadDeviceEnum, OffloadStateTypeEnum, ZeroEngine,  # noqa: E402,F401
                       add_config_arguments, init_distributed, initialize)
 
-from . import comm, zero, utils, ops, runtime, checkpoint, accelerator  # noqa: E402,F401
+from . import comm, zero, utils, ops, runtime, checkpoint, accelerator, moe  # noqa: E402,F401
 
 zero_ext_version = _zero_ext.__version__
+
+
+def _git_head(package_dir):
+    """The commit zero_ext's checkout is at, read from its .git (a worktree's .git file is followed); DeepSpeed's
+    '[none]' when zero_ext is not imported from a git checkout. Reads two or three small files, runs no git."""
+    import os
+
+    try:
+        git = os.path.join(os.path.dirname(package_dir), ".git")
+        if os.path.isfile(git):  # a worktree or submodule: "gitdir: <path>"
+            with open(git) as f:
+                git = os.path.join(os.path.dirname(package_dir), f.read().split(":", 1)[1].strip())
+        with open(os.path.join(git, "HEAD")) as f:
+            head = f.read().strip()
+        if not head.startswith("ref:"):
+            return head[:7], "[detached]"
+        ref = head.split(None, 1)[1]
+        for base in (git, _common_dir(git)):
+            path = os.path.join(base, ref)
+            if os.path.exists(path):
+                with open(path) as f:
+                    return f.read().strip()[:7], ref.rsplit("/", 1)[-1]
+            packed = os.path.join(base, "packed-refs")
+            if os.path.exists(packed):
+                with open(packed) as f:
+                    for line in f:
+                        if line.rstrip().endswith(" " + ref):
+                            return line[:7], ref.rsplit("/", 1)[-1]
+    except (OSError, IndexError):
+        pass
+    return "[none]", "[none]"
+
+
+def _common_dir(git):
+    import os
+
+    try:
+        with open(os.path.join(git, "commondir")) as f:
+            return os.path.normpath(os.path.join(git, f.read().strip()))
+    except OSError:
+        return git
+
+
+# DeepSpeed's build information: here zero_ext's checkout (short hash and branch), or "[none]".
+__git_hash__, __git_branch__ = _git_head(__import__("os").path.dirname(_zero_ext.__file__))
 
 
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
@@ -45,4 +90,4 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "ZeroEngine", "zero",
            "comm", "utils", "ops", "runtime", "checkpoint", "accelerator", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum", "tp_model_init", "__version__"]
+           "OffloadStateTypeEnum", "tp_model_init", "moe", "__version__", "__git_hash__", "__git_branch__"]

@@ -7,7 +7,9 @@ Only the methods third-party code is known to call are provided; anything else i
 that names this file.
 """
 import functools
-from typing import Optional
+import os
+import resource
+from typing import Dict, List, Optional
 
 import torch
 
@@ -17,6 +19,7 @@ class Accelerator:
 
     def __init__(self, name: str):
         self._name = name  # "cuda" or "cpu"
+        self._peak = 0  # CPU: the largest resident set seen since the last reset
 
     def device_name(self, device_index: Optional[int] = None) -> str:
         """``"cuda"`` / ``"cuda:<i>"``, or ``"cpu"`` (the CPU has no index)."""
@@ -36,7 +39,78 @@ class Accelerator:
         return torch.device(self.device_name(device_index))
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._name == "cuda" else 1
+        """CUDA: the devices torch sees. CPU: the processes on this node (LOCAL_WORLD_SIZE, set by torchrun
+        and zero-ext, or DeepSpeed's LOCAL_SIZE), else 1: each process is one CPU "device"."""
+        if self._name == "cuda":
+            return torch.cuda.device_count()
+        for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+            if int(os.environ.get(var, "0") or 0) > 0:
+                return int(os.environ[var])
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        if self._name == "cuda":
+            torch.cuda.set_device(device_index)
+
+    def supported_dtypes(self) -> List[torch.dtype]:
+        """The floating dtypes zero_ext trains in on this device (fp32, fp16, and bf16 where supported)."""
+        return [torch.float32, torch.float16] + ([torch.bfloat16] if self.is_bf16_supported() else [])
+
+    # -- memory (CUDA: torch.cuda's allocator; CPU: this process's resident set, as DeepSpeed's CPU
+    # accelerator reports it, with the peak since the last reset) ---------------------------------
+    def memory_allocated(self, device_index: Optional[int] = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.memory_allocated(device_index)
+        return self._rss()
+
+    def max_memory_allocated(self, device_index: Optional[int] = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.max_memory_allocated(device_index)
+        self._rss()
+        return self._peak
+
+    def memory_reserved(self, device_index: Optional[int] = None) -> int:
+        return torch.cuda.memory_reserved(device_index) if self._name == "cuda" else self._rss()
+
+    def max_memory_reserved(self, device_index: Optional[int] = None) -> int:
+        return torch.cuda.max_memory_reserved(device_index) if self._name == "cuda" else self.max_memory_allocated()
+
+    def reset_peak_memory_stats(self, device_index: Optional[int] = None) -> None:
+        if self._name == "cuda":
+            torch.cuda.reset_peak_memory_stats(device_index)
+        else:
+            self._peak = 0
+            self._rss()
+
+    reset_max_memory_allocated = reset_peak_memory_stats
+
+    def memory_stats(self, device_index: Optional[int] = None) -> Dict[str, int]:
+        if self._name == "cuda":
+            return torch.cuda.memory_stats(device_index)
+        return {"allocated_bytes.all.current": self._rss(), "allocated_bytes.all.peak": self.max_memory_allocated()}
+
+    def total_memory(self, device_index: Optional[int] = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.get_device_properties(device_index or 0).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    def available_memory(self, device_index: Optional[int] = None) -> int:
+        if self._name == "cuda":
+            return torch.cuda.mem_get_info(device_index)[0]
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+    def _rss(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # not Linux: the peak the kernel reports (kilobytes on Linux/BSD, bytes on macOS)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        self._peak = max(self._peak, rss)
+        return rss
 
     def is_available(self) -> bool:
         return True
@@ -63,6 +137,21 @@ class Accelerator:
 
     def manual_seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.initial_seed()
+
+    def get_rng_state(self, device_index: Optional[int] = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state(device_index or "cuda") if self._name == "cuda" else torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index: Optional[int] = None) -> None:
+        if self._name == "cuda":
+            torch.cuda.set_rng_state(new_state, device_index or "cuda")
+        else:
+            torch.set_rng_state(new_state)
+
+    def is_triton_supported(self) -> bool:
+        return False  # zero_ext builds no triton kernels
 
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
         return tensor.pin_memory() if self._name == "cuda" else tensor

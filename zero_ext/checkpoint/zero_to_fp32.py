@@ -79,6 +79,30 @@ def _optim_files(folder):
     return [name for _, name in found]
 
 
+def get_optim_files(checkpoint_dir):
+    """The optimizer shard files of one checkpoint folder (a tag's folder), full paths in rank order;
+    none is a FileNotFoundError. DeepSpeed's helper of the same name (Lightning reads the stage from the first)."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
+    files = _optim_files(checkpoint_dir)
+    if not files:
+        raise FileNotFoundError(f"no *_optim_states.pt files in '{checkpoint_dir}'")
+    return [os.path.join(checkpoint_dir, f) for f in files]
+
+
+def get_model_state_file(checkpoint_dir, zero_stage):
+    """The model-states file of one checkpoint folder. zero_ext writes mp_rank_00_model_states.pt at every
+    stage; DeepSpeed's stage-3 name (zero_pp_rank_0_mp_rank_00_model_states.pt) is taken when only it exists."""
+    if not os.path.isdir(checkpoint_dir):
+        raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
+    names = [MODEL_FILE] + (["zero_pp_rank_0_mp_rank_00_model_states.pt"] if int(zero_stage) == 3 else [])
+    for name in names:
+        path = os.path.join(checkpoint_dir, name)
+        if os.path.exists(path):
+            return path
+    raise FileNotFoundError(f"no model states file ({' or '.join(names)}) in '{checkpoint_dir}'")
+
+
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters=False):
     """OrderedDict name -> fp32 tensor of the whole model at the checkpoint."""
     folder = _resolve_tag(checkpoint_dir, tag)

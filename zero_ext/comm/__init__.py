@@ -7,5 +7,8 @@ Files:
   explanation instead of hanging the others.
 """
 from .process_groups import (DEFAULT_TIMEOUT_MINUTES, ReduceOp, add_config_arguments, all_gather,  # noqa: F401
-                             all_reduce, barrier, broadcast, default_backend, default_timeout, get_local_rank,
-                             get_rank, get_world_size, init_distributed, is_initialized)
+                             all_gather_base, all_gather_into_tensor, all_reduce, all_to_all_single, barrier,
+                             broadcast, default_backend, default_timeout, destroy_process_group, gather,
+                             get_backend, get_global_rank, get_local_rank, get_process_group_ranks, get_rank,
+                             get_world_group, get_world_size, init_distributed, irecv, is_initialized, isend,
+                             new_group, recv, reduce, reduce_scatter, reduce_scatter_tensor, scatter, send)

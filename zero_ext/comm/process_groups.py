@@ -132,12 +132,14 @@ def _init_single_process(backend: str, timeout: datetime.timedelta, verbose: boo
                     backend)
 
 
-def get_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def get_rank(group=None) -> int:
+    """This process's rank in ``group`` (default: the world); 0 before init_distributed."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def get_world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+def get_world_size(group=None) -> int:
+    """The ranks in ``group`` (default: the world); 1 before init_distributed."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def get_local_rank() -> int:
@@ -152,6 +154,37 @@ broadcast = dist.broadcast
 all_reduce = dist.all_reduce
 all_gather = dist.all_gather
 ReduceOp = dist.ReduceOp
+# More of deepspeed.comm's names, each torch.distributed's own function (same signature and semantics).
+new_group = dist.new_group
+get_process_group_ranks = dist.get_process_group_ranks
+all_gather_into_tensor = dist.all_gather_into_tensor
+reduce_scatter_tensor = dist.reduce_scatter_tensor
+reduce_scatter = dist.reduce_scatter
+reduce = dist.reduce
+gather = dist.gather
+scatter = dist.scatter
+all_to_all_single = dist.all_to_all_single
+send = dist.send
+recv = dist.recv
+isend = dist.isend
+irecv = dist.irecv
+destroy_process_group = dist.destroy_process_group
+get_backend = dist.get_backend
+
+
+def get_world_group():
+    """The default (world) process group (``deepspeed.comm.get_world_group``)."""
+    return dist.group.WORLD
+
+
+def get_global_rank(group, group_rank: int) -> int:
+    """The global rank of ``group_rank`` in ``group`` (``deepspeed.comm.get_global_rank``)."""
+    return dist.get_global_rank(group, group_rank)
+
+
+def all_gather_base(output_tensor, tensor, group=None, async_op=False):
+    """DeepSpeed's older name of all_gather_into_tensor."""
+    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def add_config_arguments(parser):

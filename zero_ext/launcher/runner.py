@@ -1,6 +1,7 @@
 """``zero-ext`` / ``python -m zero_ext.launcher``: DeepSpeed's one-node launcher, over plain processes.
 
     zero-ext --num_gpus 2 train.py --deepspeed --deepspeed_config ds.json
+    zero-ext estimate --params 7e9 --num_gpus 8        (memory tables; see estimate.py)
 
 Starts N copies of the script with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT) and, as DeepSpeed's launcher does, ``--local_rank=<i>`` appended to each one's arguments.
@@ -45,7 +46,12 @@ def _default_procs() -> int:
 
 
 def main(argv: List[str] = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["estimate"] and not os.path.exists("estimate"):  # a script named ./estimate still runs
+        from .estimate import main as estimate_main
+
+        return estimate_main(argv[1:])
+    args = parse(argv)
     n = args.num_procs or _default_procs()
     port = args.master_port or _free_port()
     procs = []

@@ -3,8 +3,8 @@ zero_ext/checkpoint/zero_to_fp32.py (``python -m zero_ext.utils.zero_to_fp32`` r
 import sys
 
 from ..checkpoint.zero_to_fp32 import (convert_zero_checkpoint_to_fp32_state_dict,  # noqa: F401
-                                       get_fp32_state_dict_from_zero_checkpoint,
-                                       load_state_dict_from_zero_checkpoint, main)
+                                       get_fp32_state_dict_from_zero_checkpoint, get_model_state_file,
+                                       get_optim_files, load_state_dict_from_zero_checkpoint, main)
 
 if __name__ == "__main__":
     sys.exit(main())

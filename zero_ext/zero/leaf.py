@@ -4,9 +4,10 @@ For modules whose children run irregularly (a mixture-of-experts block runs only
 batch, in an order decided by the data): per-child hooks would gather in a rank- and batch-dependent
 order. A leaf gathers every parameter below it before its forward and releases them after; its
 descendants get no hooks. DeepSpeed's names: set_z3_leaf_modules, unset_z3_leaf_modules,
-get_z3_leaf_modules, z3_leaf_module, z3_leaf_parameter. Mark leaves before the engine is built.
+set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, set_z3_leaf_module, get_z3_leaf_modules,
+z3_leaf_module, z3_leaf_parameter. Mark leaves before the engine is built.
 """
-from typing import Iterable, List, Sequence, Union
+from typing import Iterable, List, Sequence, Tuple, Union
 
 import torch
 
@@ -24,19 +25,76 @@ def _matches(module: torch.nn.Module, classes: Sequence[Union[type, str]]) -> bo
     return False
 
 
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[Union[type, str]]) -> List[torch.nn.Module]:
-    """Marks every module of the given classes (types, class names or qualified names) as a leaf."""
-    marked = [m for m in model.modules() if _matches(m, leaf_module_classes)]
-    for m in marked:
-        setattr(m, LEAF_ATTR, True)
-    return marked
+def _check_classes(leaf_module_classes) -> None:
+    bad = [c for c in leaf_module_classes if not isinstance(c, (type, str))]
+    if bad:
+        raise TypeError(f"leaf module classes must be types or class names (str), got {bad!r}")
 
 
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[Union[type, str]]) -> List[torch.nn.Module]:
-    unmarked = [m for m in model.modules() if _matches(m, leaf_module_classes)]
-    for m in unmarked:
-        setattr(m, LEAF_ATTR, False)
-    return unmarked
+def _flag_by_class(model: torch.nn.Module, leaf_module_classes: Sequence[Union[type, str]], flag: bool,
+                   raise_if_not_found: bool) -> List[torch.nn.Module]:
+    _check_classes(leaf_module_classes)
+    found = [m for m in model.modules() if _matches(m, leaf_module_classes)]
+    if not found and raise_if_not_found:
+        raise ValueError(f"no module of the classes {list(leaf_module_classes)!r} in the model "
+                         f"({type(model).__name__}); pass raise_if_not_found=False to allow none")
+    for m in found:
+        setattr(m, LEAF_ATTR, flag)
+    return found
+
+
+def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[Union[type, str]],
+                        raise_if_not_found: bool = True) -> List[torch.nn.Module]:
+    """Marks every module of the given classes (types, class names or qualified names) as a leaf and
+    returns them; none found is a ValueError unless ``raise_if_not_found=False`` (DeepSpeed's default)."""
+    return _flag_by_class(model, leaf_module_classes, True, raise_if_not_found)
+
+
+def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Sequence[Union[type, str]],
+                          raise_if_not_found: bool = True) -> List[torch.nn.Module]:
+    """Clears the leaf mark of every module of the given classes (same matching and refusal)."""
+    return _flag_by_class(model, leaf_module_classes, False, raise_if_not_found)
+
+
+def set_z3_leaf_module(module: torch.nn.Module, flag: bool) -> None:
+    """Marks (``flag=True``) or unmarks one module."""
+    setattr(module, LEAF_ATTR, bool(flag))
+
+
+def set_z3_leaf_modules_by_name(model: torch.nn.Module, module_names: Sequence[str], flag: bool = True,
+                                raise_if_not_found: bool = True) -> Tuple[List[torch.nn.Module], List[str]]:
+    """Sets the leaf mark to ``flag`` on the modules named (exact names from ``model.named_modules()``).
+    Returns (the modules changed, the names not found); names not found are a ValueError unless
+    ``raise_if_not_found=False``, and then nothing is changed."""
+    by_name = dict(model.named_modules())
+    missing = [n for n in module_names if n not in by_name]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module named {missing!r} in the model ({type(model).__name__}); "
+                         "names are those of model.named_modules()")
+    found = [by_name[n] for n in module_names if n in by_name]
+    for m in found:
+        setattr(m, LEAF_ATTR, flag)
+    return found, missing
+
+
+def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: Sequence[str], flag: bool = True,
+                                  raise_if_not_found: bool = True) -> Tuple[List[torch.nn.Module], List[str]]:
+    """Sets the leaf mark to ``flag`` on every module whose name (``model.named_modules()``) ends with
+    one of the suffixes. Returns (the modules changed, each once; the suffixes that matched nothing);
+    unmatched suffixes are a ValueError unless ``raise_if_not_found=False``, and then nothing is changed."""
+    named = list(model.named_modules())
+    missing = [s for s in module_name_suffixes if not any(n.endswith(s) for n, _ in named)]
+    if missing and raise_if_not_found:
+        raise ValueError(f"no module name ends with {missing!r} in the model ({type(model).__name__})")
+    found, seen = [], set()
+    for s in module_name_suffixes:
+        for n, m in named:
+            if n.endswith(s) and id(m) not in seen:
+                seen.add(id(m))
+                found.append(m)
+    for m in found:
+        setattr(m, LEAF_ATTR, flag)
+    return found, missing
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:

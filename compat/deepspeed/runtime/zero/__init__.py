@@ -1,3 +1,5 @@
 """``deepspeed.runtime.zero``."""
-from zero_ext.zero import GatheredParameters, Init, register_external_parameter  # noqa: F401
-from . import partition_parameters  # noqa: F401
+from zero_ext.runtime.zero import (GatheredParameters, Init, TiledLinear, ZeroParamStatus,  # noqa: F401
+                                   register_external_parameter)
+from . import (config, offload_config, offload_states, partition_parameters, stage3, stage_1_and_2,  # noqa: F401
+               tiling, utils)

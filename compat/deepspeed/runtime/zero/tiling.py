@@ -1,0 +1,2 @@
+"""``deepspeed.runtime.zero.tiling``."""
+from zero_ext.runtime.zero.tiling import TiledLinear  # noqa: F401

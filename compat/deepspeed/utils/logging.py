@@ -1,0 +1,2 @@
+"""``deepspeed.utils.logging``."""
+from zero_ext.utils.logging import logger  # noqa: F401

@@ -1,0 +1,5 @@
+"""``deepspeed.utils.z3_leaf_module``: ZeRO-3 leaf modules, marked by class, by name or by name suffix
+(the code is zero/leaf.py)."""
+from ..zero.leaf import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_leaf_modules,  # noqa: F401
+                         set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
+                         z3_leaf_module, z3_leaf_parameter)
