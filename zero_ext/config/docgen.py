@@ -108,11 +108,23 @@ def _bounds(info: Any) -> str:
         for attr in marks:
             if getattr(meta, attr, None) is not None:
                 found[attr] = getattr(meta, attr)
+    found = {k: _bound_text(v) for k, v in found.items()}
     low = next(((k, v) for k, v in found.items() if k in ("ge", "gt")), None)
     high = next(((k, v) for k, v in found.items() if k in ("le", "lt")), None)
     if low and high and low[0] == "ge" and high[0] == "le":
         return f" in [{low[1]}, {high[1]}]"
     return "".join(f" {marks[b[0]]} {b[1]}" for b in (low, high) if b)
+
+
+def _bound_text(value: Any) -> Any:
+    """2**62 rather than 4611686018427387904."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2 ** 20:
+        for bits in range(20, 64):
+            if value == 2 ** bits:
+                return f"2**{bits}"
+            if value == 2 ** bits - 1:
+                return f"2**{bits}-1"
+    return value
 
 
 def _default_text(model: Type[BaseModel], name: str) -> str:
