@@ -163,17 +163,16 @@ def _check_value(key: str, value: Any, default: Any) -> Optional[str]:
             return "must be an integer"
         return _range_problem(key, value)
     want = _OPTIONAL_TYPES.get(key)
+    if isinstance(value, float) and not math.isfinite(value):
+        return "must be finite (not inf or nan)"
     if value is None or want is None:
-        return None if not (isinstance(value, float) and not math.isfinite(value)) else \
-            "must be finite (not inf or nan)"
+        return None
     if want is bool and not isinstance(value, bool):
         return "must be true, false or null"
     if want is int and not (_is_number(value) and float(value).is_integer()):
         return "must be an integer or null"
     if want is str and not isinstance(value, str):
         return "must be a string or null"
-    if want is int and isinstance(value, float) and not math.isfinite(value):
-        return "must be finite"
     return None
 
 
