@@ -8,13 +8,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import comm
 from .build import build_engine
 from .config import ConfigError, load_config, reject_unimplemented
+from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
 from .engine import ZeroEngine
 
 # Keys the UNIMPLEMENTED table lists that this engine does implement (the table is shared with
-# zero.Init, which implements less).
-IMPLEMENTED = ("zero_optimization.ignore_unused_parameters", "fp16.enabled", "communication_data_type",
-               "prescale_gradients", "gradient_predivide_factor", "data_types.grad_accum_dtype",
-               "checkpoint.tag_validation", "checkpoint.load_universal")
+# zero.Init, which implements less); docs/config.md reads the same tuple.
+IMPLEMENTED = IMPLEMENTED_BY_INITIALIZE
 
 
 def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=None, model_parameters=None,

@@ -17,7 +17,8 @@ Files:
 - toplevel.py: DeepSpeedConfig, the whole config; batch.py: the batch-size arithmetic.
 - zero.py: ``zero_optimization``; zero_extras.py: its ``leaf_module`` and ``zenflow``; offload.py:
   ``offload_param`` / ``offload_optimizer``; aio.py: ``aio``.
-- optimizer.py, scheduler.py, params.py: ``optimizer``, ``scheduler`` and their free-form params.
+- optimizer.py, scheduler.py, params.py: ``optimizer``, ``scheduler`` and their free-form params;
+  optim_params.py: the params of Adagrad, Lion and torch.optim classes (keys from their signature).
 - precision.py: ``fp16``, ``bf16``, ``data_types``; sections.py: the smaller sections.
 - unimplemented.py: features accepted but not built yet, and the one check; deviations.py: where zero_ext
   knowingly differs from DeepSpeed.

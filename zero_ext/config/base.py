@@ -121,8 +121,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+#: Every integer key fits a signed 64-bit integer (what torch and the C code take).
+INT64_MAX = 2 ** 63 - 1
+#: Element counts (sizes, thresholds): the C planner's limit (csrc/planner.c, ZX_MAX_ELEMS), so sums
+#: of a few of them still fit int64.
+MAX_ELEMENTS = 2 ** 62
+
+
+def _int64(value: Any) -> Any:
+    value = _finite(value)
+    if isinstance(value, (int, float)) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise PydanticCustomError(
+            "int64_range", "must be an integer within the signed 64-bit range (|value| < 2**63)")
+    return value
+
+
 #: An integer; integral floats such as 5e8 are accepted (pydantic converts 5e8 -> 500000000).
-Int = Annotated[int, BeforeValidator(_finite)]
+#: Values outside int64 are refused here; fields add their own tighter ranges.
+Int = Annotated[int, BeforeValidator(_int64)]
 #: A finite real number.
 Float = Annotated[float, BeforeValidator(_finite)]
 

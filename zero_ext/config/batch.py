@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Collection, Optional, Tuple
 
+from .base import INT64_MAX
 from .errors import MISSING, ConfigError, Problem
 
 TRAIN, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", \
@@ -58,6 +59,10 @@ def resolve_batch(train: Optional[int], micro: Optional[int], gas: Optional[int]
     elif micro is not None and train is None:
         gas = 1 if gas is None else gas
         train = micro * gas * world_size
+        if train > INT64_MAX:
+            raise ConfigError(
+                f"{MICRO} ({micro}) * {GAS} ({gas}) * world_size ({world_size}) = {train} does not "
+                "fit a signed 64-bit integer; lower them", path=TRAIN, value=MISSING)
     if train != micro * gas * world_size:
         raise ConfigError(
             f"{TRAIN} must equal {MICRO} * {GAS} * world_size, but {train} != "

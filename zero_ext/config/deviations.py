@@ -97,15 +97,44 @@ DEVIATIONS = [
      "Two values for one setting is ambiguous."),
     ("fp16.hysteresis, fp16.initial_scale_power, module_granularity_threshold",
      "Unchecked integers.",
-     "hysteresis >= 1, initial_scale_power >= 0, module_granularity_threshold >= 0.",
-     "Other values break the loss scaler or are meaningless."),
+     "hysteresis >= 1, initial_scale_power in [0, 127], module_granularity_threshold >= 0.",
+     "Other values break the loss scaler or are meaningless; 2**127 is the largest power of two "
+     "a float32 loss scale holds (2.0**1e6 is an OverflowError)."),
+    ("Integer ranges",
+     "Integers are unbounded Python ints (e.g. sub_group_size 1e30 fails inside the optimizer "
+     "setup, gradient_accumulation_steps 1e30 at the first backward).",
+     "Every integer key is within the signed 64-bit range; element counts (bucket sizes, "
+     "sub_group_size, persistence thresholds, live/reuse limits, offload buffer_size and "
+     "max_in_cpu) are at most 2**62; the derived train_batch_size must fit int64; "
+     "mics_shard_size >= -1; zero_hpz_partition_size and mics_shard_size < 2**31.",
+     "Larger values overflow the C planner, torch or the loss scaler; the error names the key."),
+    ("aio limits",
+     "Any positive block_size, queue_depth and thread count.",
+     "block_size a multiple of 4096 up to 2**30 bytes, queue_depth <= 4096, "
+     "intra_op_parallelism <= 64 (the limits of zero_ext's C aio engine).",
+     "Outside them the first NVMe swap fails; refusing at load names the key."),
+    ("NVMe buffer_count",
+     "buffer_count >= 0 for both offload sections; too few buffers fail later in the swapper.",
+     'With device "nvme": offload_param.buffer_count >= 1; offload_optimizer.buffer_count >= 1, '
+     "+1 for pipeline_read, +1 for pipeline_write (3 with both).",
+     "zero_ext's NVMe store refuses fewer at the first step; the config says so at load. (A model "
+     "whose partition is a single sub-group would need fewer; it is refused too.)"),
     ("Optimizer and scheduler params",
      "Passed as keyword arguments; a wrong key is a TypeError inside initialize; an unknown "
      "warmup_type falls back to log with a warning.",
-     "Adam/AdamW params and the params of DeepSpeed's five schedulers are checked at load "
-     "(unknown keys with suggestions, ranges, required keys, torch-only Adam arguments); "
-     "unknown optimizer/scheduler types are errors at load.",
+     "Adam/AdamW, Adagrad and Lion params, the params of torch.optim classes (keys from the "
+     "constructor's signature) and the params of DeepSpeed's five schedulers are checked at load "
+     "(unknown keys with suggestions, ranges, finiteness, required keys given as null, "
+     "torch-only Adam arguments, Adagrad arguments of the implementation not chosen); unknown "
+     "optimizer/scheduler types are errors at load.",
      "Errors at load, naming the key."),
+    ("Optimizer eps = 0, scheduler momentum >= 1, negative decay rates",
+     "torch and DeepSpeed's optimizers accept eps = 0; OneCycle's cycle_min_mom/cycle_max_mom "
+     "and decay rates are not checked.",
+     "eps > 0 (Adam/AdamW, Adagrad, torch.optim classes); OneCycle momenta in [0, 1); "
+     "decay_lr_rate and decay_mom_rate >= 0; learning rates finite and >= 0.",
+     "eps 0 divides by zero where a state is 0; beta1 = 1 makes Adam's bias correction divide "
+     "by zero; a negative decay rate makes the lr negative or infinite."),
     ("legacy allgather_size without the legacy boolean zero_optimization",
      "Silently unused.",
      "Error pointing to zero_optimization.allgather_bucket_size.",

@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from .base import field_extra, submodel_of
 from .deviations import DEVIATIONS
 from .optimizer import DEEPSPEED_OPTIMIZERS, TORCH_OPTIMIZERS, AdamParams
+from .optim_params import AdagradParams, LionParams
 from .scheduler import DEEPSPEED_SCHEDULERS, TORCH_SCHEDULERS
 from .sections import IGNORED_SECTIONS, FeatureSection
 from .toplevel import DeepSpeedConfig
-from .unimplemented import UNIMPLEMENTED, entry_parts
+from .unimplemented import IMPLEMENTED_BY_INITIALIZE, UNIMPLEMENTED, entry_parts
 
 INTRO = """\
 # zero_ext configuration reference
@@ -56,7 +57,9 @@ How a config is read:
 - **`"auto"`** (written by HF Trainer) means the default, or for the batch sizes "derive from
   the others" (micro batch 1 when nothing else fixes it). What each "auto" became is logged once
   (logger `zero_ext.config`, INFO) and kept in `cfg.auto_resolved`.
-- **Numbers** such as `5e8` are accepted for integer keys; booleans are not numbers.
+- **Numbers** such as `5e8` are accepted for integer keys; booleans are not numbers. Every
+  integer key fits a signed 64-bit integer, element counts at most 2**62; numbers are finite
+  (no NaN or Infinity) except where a key says otherwise (`steps_per_print`).
 - **Warnings** (`zero_ext.config.ConfigWarning`, a `UserWarning`): sections of DeepSpeed
   subsystems zero_ext ignores, stage-3-only keys at stage < 3, deprecated keys.
 - **Accepted but not implemented yet**: `load_config` accepts every DeepSpeed feature below, but
@@ -108,11 +111,23 @@ def _bounds(info: Any) -> str:
         for attr in marks:
             if getattr(meta, attr, None) is not None:
                 found[attr] = getattr(meta, attr)
+    found = {k: _bound_text(v) for k, v in found.items()}
     low = next(((k, v) for k, v in found.items() if k in ("ge", "gt")), None)
     high = next(((k, v) for k, v in found.items() if k in ("le", "lt")), None)
     if low and high and low[0] == "ge" and high[0] == "le":
         return f" in [{low[1]}, {high[1]}]"
     return "".join(f" {marks[b[0]]} {b[1]}" for b in (low, high) if b)
+
+
+def _bound_text(value: Any) -> Any:
+    """2**62 rather than 4611686018427387904."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2 ** 20:
+        for bits in range(20, 64):
+            if value == 2 ** bits:
+                return f"2**{bits}"
+            if value == 2 ** bits - 1:
+                return f"2**{bits}-1"
+    return value
 
 
 def _default_text(model: Type[BaseModel], name: str) -> str:
@@ -153,7 +168,7 @@ def _flags(model: Type[BaseModel], name: str, path: str) -> str:
         notes.append(f"**Deprecated**: use `{extra['deprecated']}`.")
     if extra.get("ds_note"):
         notes.append(f"Note: {extra['ds_note']}")
-    if path in UNIMPLEMENTED:
+    if path in UNIMPLEMENTED and path not in IMPLEMENTED_BY_INITIALIZE:
         reason, values = entry_parts(UNIMPLEMENTED[path])
         which = f" (values {', '.join(json.dumps(v) for v in values)})" if values else \
             " (non-default values)"
@@ -227,8 +242,16 @@ def _optimizer_section() -> List[str]:
         + ". `max_grad_norm` is never an optimizer parameter: use `gradient_clipping`. "
         "For `Adam`/`AdamW` the params are checked against this table (keys not given are left "
         "to the optimizer's own defaults, as in DeepSpeed; \"auto\" means the default shown); "
-        "other types' params are passed through unchecked.", "",
-        *field_table(AdamParams, "optimizer.params"), ""]
+        "`Adagrad` and `Lion` against theirs below; a `torch.optim` class's params against its "
+        "constructor's signature (unknown keys are errors with a suggestion; learning rates, "
+        "betas, eps, weight decay and momentum are range-checked, other values checked against "
+        "the type of the constructor's default). DeepSpeed optimizers zero_ext does not "
+        "implement (Lamb, 1-bit, Mu*) keep their params unchecked.", "",
+        *field_table(AdamParams, "optimizer.params"), "",
+        "### `Adagrad`", "", _escape(AdagradParams.__doc__ or "").strip(), "",
+        *field_table(AdagradParams, "optimizer.params"), "",
+        "### `Lion`", "", _escape(LionParams.__doc__ or "").strip(), "",
+        *field_table(LionParams, "optimizer.params"), ""]
 
 
 def _scheduler_section() -> List[str]:
@@ -259,9 +282,18 @@ def _unimplemented_section() -> List[str]:
             "`zero_ext.config.UNIMPLEMENTED`; entries disappear as features land.", "",
             "| Key | Refused values | Feature |", "|---|---|---|"]
     for path, entry in UNIMPLEMENTED.items():
+        if path in IMPLEMENTED_BY_INITIALIZE:
+            continue
         reason, values = entry_parts(entry)
         shown = ", ".join(f"`{json.dumps(v)}`" for v in values) if values else "any non-default"
         rows.append(f"| `{path}` | {shown} | {reason} |")
+    rows += ["", "These entries of the table *are* implemented by `initialize`, which passes them "
+             "to `reject_unimplemented(cfg, implemented=...)`; a plain "
+             "`reject_unimplemented(cfg)` still refuses them "
+             "(`zero_ext.config.unimplemented.IMPLEMENTED_BY_INITIALIZE`):", "",
+             "| Key | Feature |", "|---|---|"]
+    rows += [f"| `{path}` | {entry_parts(UNIMPLEMENTED[path])[0]} |"
+             for path in IMPLEMENTED_BY_INITIALIZE]
     return rows + [""]
 
 

@@ -23,7 +23,7 @@ from . import batch
 from .errors import ConfigError, ConfigWarning, Problem, warn
 from .keys import Report, walk
 from .messages import problems_from_errors
-from .optimizer import AdamParams
+from .optimizer import TYPED_PARAMS, AdamParams
 from .params import defaults_of
 from .sections import IGNORED_SECTIONS, section_is_disabled
 from .toplevel import DeepSpeedConfig
@@ -146,8 +146,10 @@ def _resolved_value(cfg: DeepSpeedConfig, path: str) -> Any:
         prefix = f"{section}.params."
         if path.startswith(prefix):
             holder = getattr(cfg, section)
-            model = AdamParams if section == "optimizer" and holder.is_adam else (
-                getattr(holder, "params_model", None))
+            if section == "optimizer":
+                model = AdamParams if holder.is_adam else TYPED_PARAMS.get(holder.type)
+            else:
+                model = holder.params_model
             # None: a torch class, whose own constructor default applies.
             return defaults_of(model).get(path[len(prefix):]) if model else None
     value: Any = cfg

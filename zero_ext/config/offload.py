@@ -11,7 +11,7 @@ from typing import Optional
 
 from pydantic import model_validator
 
-from .base import ConfigModel, Float, Int, option, rule_error
+from .base import MAX_ELEMENTS, ConfigModel, Float, Int, option, rule_error
 
 
 class OffloadDevice(str, Enum):
@@ -32,6 +32,24 @@ def _require_nvme_path(section: ConfigModel) -> None:
             'is required when device is "nvme": give the directory on the NVMe drive to swap to')
 
 
+def _nvme_buffers(section: "OffloadOptimizerConfig") -> None:
+    # One buffer for the sub-group being stepped, one more for the next one's read
+    # (pipeline_read) and one for the previous one's write (pipeline_write): the NVMe store
+    # refuses fewer at the first step.
+    on = [k for k in ("pipeline_read", "pipeline_write") if getattr(section, k)]
+    need = 1 + len(on)
+    if section.buffer_count >= need:
+        return
+    if not on:
+        raise rule_error("buffer_count", section.buffer_count,
+                         'must be >= 1 when device is "nvme" (optimizer state is swapped through '
+                         "these host buffers)")
+    raise rule_error("buffer_count", section.buffer_count,
+                     f"must be >= {need} with {' and '.join(on)} on (one buffer for the sub-group "
+                     "being stepped, one for the next one's read, one for the previous one's "
+                     "write); raise buffer_count or turn a pipeline off")
+
+
 class OffloadParamConfig(ConfigModel):
     """Offload of the (partitioned) 16-bit parameters. ZeRO stage 3 only."""
 
@@ -44,9 +62,11 @@ class OffloadParamConfig(ConfigModel):
         ds_note="DeepSpeed's docs show /local_nvme; its code default is null.")
     buffer_count: Int = option(5, "Number of swap buffers for NVMe parameter offload.", ge=0)
     buffer_size: Int = option(
-        100_000_000, "Elements per NVMe swap buffer; must hold the largest partition.", ge=0)
+        100_000_000, "Elements per NVMe swap buffer; must hold the largest partition.", ge=0,
+        le=MAX_ELEMENTS)
     max_in_cpu: Int = option(
-        1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", ge=0)
+        1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", ge=0,
+        le=MAX_ELEMENTS)
     pin_memory: bool = option(
         True, "Use page-locked host memory (needed for asynchronous, full-bandwidth copies).",
         ds_note="Default changed from false to true in DeepSpeed 0.19.5.")
@@ -54,6 +74,10 @@ class OffloadParamConfig(ConfigModel):
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "OffloadParamConfig":
         _require_nvme_path(self)
+        if self.device == OffloadDevice.nvme and self.buffer_count < 1:
+            raise rule_error("buffer_count", self.buffer_count,
+                             'must be >= 1 when device is "nvme" (parameters are swapped through '
+                             "these host buffers)")
         return self
 
 
@@ -89,6 +113,8 @@ class OffloadOptimizerConfig(ConfigModel):
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> "OffloadOptimizerConfig":
         _require_nvme_path(self)
+        if self.device == OffloadDevice.nvme:
+            _nvme_buffers(self)
         return self
 
     @property

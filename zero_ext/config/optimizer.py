@@ -14,7 +14,11 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from .base import ConfigModel, Float, option, rule_errors
 from .errors import unknown_key_message
+from .optim_params import AdagradParams, LionParams, torch_optimizer_problems
 from .params import auto_keys_under, check_params
+
+#: Typed params of DeepSpeed's own optimizer names besides Adam/AdamW.
+TYPED_PARAMS = {"adagrad": AdagradParams, "lion": LionParams}
 
 #: DeepSpeed's own optimizer names (matched case-insensitively).
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "onebitadam", "zerooneadam",
@@ -34,7 +38,7 @@ class AdamParams(ConfigModel):
     lr: Float = option(1e-3, "Learning rate.", ge=0.0)
     betas: Tuple[Float, Float] = option((0.9, 0.999), "Coefficients of the running averages "
                                         "of the gradient and its square.")
-    eps: Float = option(1e-8, "Term added to the denominator for stability.", ge=0.0)
+    eps: Float = option(1e-8, "Term added to the denominator for stability.", gt=0.0)
     weight_decay: Float = option(0.0, "Weight decay (decoupled in AdamW mode).", ge=0.0)
     bias_correction: bool = option(True, "Apply Adam's bias correction.")
     amsgrad: bool = option(False, "AMSGrad variant (only with torch_adam).")
@@ -113,6 +117,19 @@ class OptimizerConfig(ConfigModel):
             auto = auto_keys_under(info.context, "optimizer.params")
             clean, found = check_params(AdamParams, given, self.type, auto)
             problems += found or _adam_rules(clean)
+            if not found:
+                self.__dict__["params"] = clean
+        elif self.type in TYPED_PARAMS:
+            given = {k: v for k, v in self.params.items() if k != "max_grad_norm"}
+            auto = auto_keys_under(info.context, "optimizer.params")
+            clean, found = check_params(TYPED_PARAMS[self.type], given, self.type, auto)
+            problems += found
+            if not found:
+                self.__dict__["params"] = clean
+        elif self.type in TORCH_OPTIMIZERS:
+            given = {k: v for k, v in self.params.items() if k != "max_grad_norm"}
+            clean, found = torch_optimizer_problems(self.type, given)
+            problems += found
             if not found:
                 self.__dict__["params"] = clean
         if problems:

@@ -40,9 +40,13 @@ def check_params(model: Type[ConfigModel], params: Dict[str, Any], where: str,
                      for p in problems_from_errors(err.errors(), "params")]
         return known, problems
     for name in model.model_fields:
-        if (field_extra(model, name).get("required") and name not in known
-                and name not in auto_keys):
+        if not field_extra(model, name).get("required") or name in auto_keys:
+            continue
+        if name not in known:
             problems.append((f"params.{name}", MISSING, f"is required by {where}"))
+        elif known[name] is None:
+            problems.append((f"params.{name}", None, f"is required by {where}; null is not a "
+                             "value for it"))
     clean = {k: getattr(typed, k) for k in known}
     return clean, problems
 

@@ -21,7 +21,9 @@ class FP16Config(ConfigModel):
     loss_scale: Float = option(
         0.0, "Static loss scale; 0 selects dynamic loss scaling.", ge=0.0)
     initial_scale_power: Int = option(
-        16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0)
+        16, "Dynamic scaling starts at 2**initial_scale_power.", ge=0, le=127,
+        ds_note="DeepSpeed does not bound it; 2**127 is the largest power of two a float32 "
+        "loss scale holds.")
     loss_scale_window: Int = option(
         1000, "Overflow-free steps before the dynamic scale is doubled.")
     hysteresis: Int = option(

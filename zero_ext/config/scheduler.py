@@ -7,6 +7,7 @@ are passed through unchecked (as in DeepSpeed). Names are case-sensitive, as in 
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Dict, List, Optional, Tuple, Type
 
 from pydantic import (AfterValidator, BeforeValidator, ValidationInfo, field_validator,
@@ -17,14 +18,26 @@ from .errors import unknown_key_message
 from .params import auto_keys_under, check_params
 
 
-def _lr_value(value: Any) -> Any:
-    # A learning rate, or one per parameter group (DeepSpeed's _format_param takes both).
+def _per_group_numbers(value: Any, low: float, high: Optional[float], what: str) -> Any:
+    # One value, or one per parameter group (DeepSpeed's _format_param takes both; the length is
+    # checked against the optimizer's groups when the scheduler is built).
     numbers = value if isinstance(value, (list, tuple)) else [value]
     if not numbers or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers):
-        raise ValueError("must be a number or a list of numbers (one per parameter group)")
-    if any(v < 0 for v in numbers):
-        raise ValueError("must be >= 0")
+        raise ValueError(f"must be {what} or a non-empty list of them (one per parameter group)")
+    if not all(math.isfinite(v) for v in numbers):
+        raise ValueError("must be finite (not inf or nan)")
+    if any(v < low or (high is not None and v >= high) for v in numbers):
+        raise ValueError(f"must be >= {low:g}" if high is None else
+                         f"must be in [{low:g}, {high:g})")
     return [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
+
+
+def _lr_value(value: Any) -> Any:
+    return _per_group_numbers(value, 0.0, None, "a finite number >= 0")
+
+
+def _momentum_value(value: Any) -> Any:
+    return _per_group_numbers(value, 0.0, 1.0, "a number in [0, 1)")
 
 
 def _warmup_curve(value: str) -> str:
@@ -36,6 +49,9 @@ def _warmup_curve(value: str) -> str:
 #: A learning rate or a list of them, one per parameter group. (The string is the type as
 #: docs/config.md shows it.)
 Lr = Annotated[Any, BeforeValidator(_lr_value), "number ≥ 0, or a list of them (one per group)"]
+#: Momentum (beta1), one value or one per group: beta1 >= 1 would divide by zero in Adam.
+Momentum = Annotated[Any, BeforeValidator(_momentum_value),
+                     "number in [0, 1), or a list of them (one per group)"]
 WarmupCurve = Annotated[str, AfterValidator(_warmup_curve), '"log" or "linear"']
 
 
@@ -87,7 +103,7 @@ class OneCycleParams(ConfigModel):
 
     cycle_min_lr: Optional[Lr] = option(None, "Lowest lr of the cycle.", required=True)
     cycle_max_lr: Optional[Lr] = option(None, "Highest lr of the cycle.", required=True)
-    decay_lr_rate: Float = option(0.0, "lr decay rate after the cycle.")
+    decay_lr_rate: Float = option(0.0, "lr decay rate after the cycle.", ge=0.0)
     cycle_first_step_size: Int = option(2000, "Steps of the rising half.", gt=0)
     cycle_second_step_size: Optional[Int] = option(None, "Steps of the falling half (unset: "
                                                    "cycle_first_step_size).", gt=0)
@@ -95,9 +111,9 @@ class OneCycleParams(ConfigModel):
     cycle_second_stair_count: Optional[Int] = option(None, "Stairs in the falling half.", ge=0)
     decay_step_size: Int = option(0, "Steps between decays after the cycle.", ge=0)
     cycle_momentum: bool = option(True, "Also cycle the momentum (beta1).")
-    cycle_min_mom: Lr = option(0.8, "Lowest momentum (one value, or one per param group).")
-    cycle_max_mom: Lr = option(0.9, "Highest momentum (one value, or one per param group).")
-    decay_mom_rate: Float = option(0.0, "Momentum decay rate after the cycle.")
+    cycle_min_mom: Momentum = option(0.8, "Lowest momentum (one value, or one per param group).")
+    cycle_max_mom: Momentum = option(0.9, "Highest momentum (one value, or one per param group).")
+    decay_mom_rate: Float = option(0.0, "Momentum decay rate after the cycle.", ge=0.0)
     last_batch_iteration: Int = _last_batch()
 
 

@@ -16,6 +16,7 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from . import batch
 from .aio import AioConfig
 from .base import ConfigModel, Float, Int, lower_str, option, rule_errors
+from .optim_params import adagrad_rules
 from .optimizer import NOT_WITH_ZERO, OptimizerConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
 from .scheduler import SchedulerConfig
@@ -180,6 +181,11 @@ class DeepSpeedConfig(ConfigModel):
             problems.append(("optimizer.type", self.optimizer.type,
                              "is not compatible with ZeRO (stage >= 1); DeepSpeed refuses it "
                              "too"))
+        if self.optimizer is not None and self.optimizer.type == "adagrad":
+            oc = self.zero_optimization.offload_optimizer
+            offloaded = oc is not None and oc.device != "none" and self.zero_optimization.stage > 0
+            problems += [(f"optimizer.{k}", v, m)
+                         for k, v, m in adagrad_rules(self.optimizer.params, offloaded)]
         if problems:
             raise rule_errors(problems)
         return self

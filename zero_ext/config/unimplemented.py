@@ -99,6 +99,16 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "expert_parallel": "expert parallelism (AutoEP)",
 }
 
+#: Entries of UNIMPLEMENTED that ``initialize`` does implement: it passes them as ``implemented=``
+#: (zero_ext/initialize.py's IMPLEMENTED must name the same keys; a test checks it). They stay in
+#: the table because ``reject_unimplemented(cfg)`` without ``implemented=`` still refuses them;
+#: docs/config.md lists them as implemented.
+IMPLEMENTED_BY_INITIALIZE = (
+    "zero_optimization.ignore_unused_parameters", "fp16.enabled", "communication_data_type",
+    "prescale_gradients", "gradient_predivide_factor", "data_types.grad_accum_dtype",
+    "checkpoint.tag_validation", "checkpoint.load_universal",
+)
+
 _ABSENT = object()
 
 

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from pydantic import model_validator
 
-from .base import ConfigModel, Int, field_extra, option, rule_errors
+from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
 from .zero_extras import LeafModuleConfig, ZenFlowConfig
 
@@ -32,14 +32,16 @@ class ZeroConfig(ConfigModel):
     reduce_scatter: bool = option(
         True, "Average gradients with reduce-scatter instead of all-reduce.")
     reduce_bucket_size: Int = option(
-        500_000_000, "Elements reduced at a time; bounds the gradient bucket memory.", ge=0)
+        500_000_000, "Elements reduced at a time; bounds the gradient bucket memory.", ge=0,
+        le=MAX_ELEMENTS)
     use_multi_rank_bucket_allreduce: bool = option(
         True, "Stages 1-2: merge the reduce buckets of all ranks into one all-reduce.")
     allgather_partitions: bool = option(
         True, "Stages 1-2: gather updated parameters with all-gather instead of a series of "
         "broadcasts.")
     allgather_bucket_size: Int = option(
-        500_000_000, "Stages 1-2: elements all-gathered at a time (a multiple of 2).", ge=0)
+        500_000_000, "Stages 1-2: elements all-gathered at a time (a multiple of 2).", ge=0,
+        le=MAX_ELEMENTS)
     overlap_comm: Optional[bool] = option(
         None, "Overlap gradient reduction with the backward pass. Unset: true for stage 3, "
         "false otherwise.", shown_default="true for stage 3, else false",
@@ -58,6 +60,7 @@ class ZeroConfig(ConfigModel):
     sub_group_size: Int = option(
         1_000_000_000, "Elements per optimizer sub-group (tile) stepped at a time; with "
         "offload_optimizer nvme also at stages 1/2 (slices of the partition swapped at a time).", ge=0,
+        le=MAX_ELEMENTS,
         stage3_only=True, ds_note="DeepSpeed's docs example uses 1e12; its code default is 1e9.")
     cpu_offload_param: Optional[bool] = option(
         None, "Deprecated: true means offload_param = {\"device\": \"cpu\"}.",
@@ -69,30 +72,33 @@ class ZeroConfig(ConfigModel):
         None, "Deprecated: true means offload_optimizer = {\"device\": \"cpu\"}.",
         deprecated="offload_optimizer")
     prefetch_bucket_size: Int = option(
-        50_000_000, "Parameter elements fetched ahead of use.", ge=0,
+        50_000_000, "Parameter elements fetched ahead of use.", ge=0, le=MAX_ELEMENTS,
         aliases=("stage3_prefetch_bucket_size",), stage3_only=True,
         ds_note="DeepSpeed's docs say 5e8; its code default is 5e7.")
     param_persistence_threshold: Int = option(
         100_000, "Parameters with at most this many elements stay whole on every rank "
-        "(not partitioned).", ge=0, aliases=("stage3_param_persistence_threshold",),
+        "(not partitioned).", ge=0, le=MAX_ELEMENTS,
+        aliases=("stage3_param_persistence_threshold",),
         stage3_only=True)
     model_persistence_threshold: Int = option(
         sys.maxsize, "Cap on the total elements of persistent (unpartitioned) parameters.",
         ge=0, aliases=("stage3_model_persistence_threshold",), stage3_only=True,
         shown_default="sys.maxsize")
     max_live_parameters: Int = option(
-        1_000_000_000, "Cap on gathered parameter elements held at once.", ge=0,
+        1_000_000_000, "Cap on gathered parameter elements held at once.", ge=0, le=MAX_ELEMENTS,
         aliases=("stage3_max_live_parameters",), stage3_only=True)
     max_reuse_distance: Int = option(
         1_000_000_000, "Keep a gathered parameter if it is used again within this many "
-        "elements of upcoming fetches.", ge=0, aliases=("stage3_max_reuse_distance",),
+        "elements of upcoming fetches.", ge=0, le=MAX_ELEMENTS,
+        aliases=("stage3_max_reuse_distance",),
         stage3_only=True)
     gather_16bit_weights_on_model_save: bool = option(
         False, "save_16bit_model() gathers the full 16-bit weights before saving.",
         aliases=("stage3_gather_16bit_weights_on_model_save",), stage3_only=True)
     module_granularity_threshold: Int = option(
         0, "Modules with parameters/(1 + descendants) below this are fetched as one unit "
-        "(0: off).", ge=0, aliases=("stage3_module_granularity_threshold",), stage3_only=True)
+        "(0: off).", ge=0, le=MAX_ELEMENTS, aliases=("stage3_module_granularity_threshold",),
+        stage3_only=True)
     use_all_reduce_for_fetch_params: bool = option(
         False, "Fetch parameters with an all-reduce of zero-padded buffers instead of "
         "all-gather.", aliases=("stage3_use_all_reduce_for_fetch_params",), stage3_only=True)
@@ -109,7 +115,8 @@ class ZeroConfig(ConfigModel):
     round_robin_gradients: bool = option(
         False, "Stages 1-2 with CPU offload: spread gradient copies over ranks round-robin.")
     zero_hpz_partition_size: Int = option(
-        1, "ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition.", ge=0)
+        1, "ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition.", ge=0,
+        le=2 ** 31 - 1)
     zero_quantized_weights: bool = option(False, "ZeRO++ qwZ: quantized weight all-gather.")
     zero_quantized_nontrainable_weights: bool = option(
         False, "Store frozen weights quantized (e.g. LoRA base weights).")
@@ -117,7 +124,8 @@ class ZeroConfig(ConfigModel):
         False, "ZeRO++ qgZ: quantized gradient reduction (all-to-all).")
     zeropp_loco_param: Optional[Dict[str, Any]] = option(
         None, "LoCo-ZeRO++ error-feedback settings, e.g. {\"err_beta\": 0.8, \"reset_T\": 1024}.")
-    mics_shard_size: Int = option(-1, "MiCS: ranks one model-state shard spans (-1: off).")
+    mics_shard_size: Int = option(-1, "MiCS: ranks one model-state shard spans (-1: off).",
+                                   ge=-1, le=2 ** 31 - 1)
     mics_hierarchical_params_gather: bool = option(
         False, "MiCS: two-level (intra-/inter-node) parameter gather.")
     memory_efficient_linear: bool = option(
