@@ -60,12 +60,14 @@ class LionParams(ConfigModel):
     weight_decay: Float = option(0.0, "Decoupled weight decay.", ge=0.0)
     fp32_optimizer_states: bool = option(True, "Keep the momentum in fp32.")
 
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, betas: Tuple[float, float]) -> Tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError("both betas must be in [0, 1)")
-        return betas
+    _betas_in_range = field_validator("betas")(classmethod(lambda cls, betas: betas_in_range(betas)))
+
+
+def betas_in_range(betas: Tuple[float, float]) -> Tuple[float, float]:
+    """Adam's and Lion's betas: each in [0, 1)."""
+    if not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError("both betas must be in [0, 1)")
+    return betas
 
 
 def adagrad_rules(given: Dict[str, Any], offloaded: bool) -> List[ProblemTuple]:

@@ -14,7 +14,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from .base import ConfigModel, Float, option, rule_errors
 from .errors import unknown_key_message
-from .optim_params import AdagradParams, LionParams, torch_optimizer_problems
+from .optim_params import AdagradParams, LionParams, betas_in_range, torch_optimizer_problems
 from .params import auto_keys_under, check_params
 
 #: Typed params of DeepSpeed's own optimizer names besides Adam/AdamW.
@@ -55,12 +55,7 @@ class AdamParams(ConfigModel):
     differentiable: Optional[bool] = option(None, "torch_adam only: differentiable step.")
     fused: Optional[bool] = option(None, "torch_adam only: torch's fused implementation.")
 
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, betas: Tuple[float, float]) -> Tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError("both betas must be in [0, 1)")
-        return betas
+    _betas_in_range = field_validator("betas")(classmethod(lambda cls, betas: betas_in_range(betas)))
 
 
 def _adam_rules(given: Dict[str, Any]) -> List[Tuple[str, Any, str]]:
