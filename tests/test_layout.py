@@ -124,3 +124,22 @@ def test_no_module_assigns_another_objects_private_attributes(owner_module):
                     and str(node.args[1].value).startswith("_")):
                 stores.append(f"{rel}:{node.lineno} setattr {node.args[1].value}")
     assert [s for s in stores if not s.startswith(owner_module)] == []
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "reduce", "broadcast", "barrier", "gather", "scatter", "all_to_all", "all_to_all_single", "send",
+               "recv", "isend", "irecv", "gather_object", "all_gather_object", "broadcast_object_list"}
+
+
+def test_collectives_run_only_through_the_comm_facade():
+    """torch.distributed's collectives are called in comm/ only (comm/collectives.py is the one place that
+    decides how ranks talk); everything else calls ``comm.<name>``."""
+    direct = []
+    for rel, tree in _modules():
+        if rel.startswith("comm" + os.sep):
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in COLLECTIVES and isinstance(node.value, ast.Name)
+                    and node.value.id == "dist"):
+                direct.append(f"{rel}:{node.lineno} dist.{node.attr}")
+    assert direct == []

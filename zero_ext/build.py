@@ -24,7 +24,6 @@ import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import comm
 from .comm.collective_check import call_number, check_all_ranks_call
@@ -159,7 +158,7 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
     if world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                dist.broadcast(t.data, src=0)
+                comm.broadcast(t.data, src=0)
     return None
 
 
@@ -183,7 +182,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 cast = want if b.is_floating_point() and dtype is not None else b.dtype
                 setattr(m, name, b.to(device=device, dtype=cast))
                 if world > 1:
-                    dist.broadcast(getattr(m, name), src=0)
+                    comm.broadcast(getattr(m, name), src=0)
     zc = cfg.zero_optimization
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)

@@ -23,7 +23,6 @@ from enum import Enum
 from typing import Dict, FrozenSet, List, Optional
 
 import torch
-import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
@@ -282,7 +281,7 @@ class ZeroEngine(torch.nn.Module):
         found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
         if self.world_size > 1:
             flag = torch.tensor([1.0 if found else 0.0], device=self.device)  # (offloaded grads live on the host)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
             found = bool(flag.item())
         if found:
             raise RuntimeError("engine.step(): the parameters have gradients, but engine.backward() was not called "
@@ -510,7 +509,7 @@ class ZeroEngine(torch.nn.Module):
             else:
                 atomic_torch_save({k: v.detach().cpu() for k, v in sd.items()}, path)
         if self.world_size > 1:
-            dist.barrier()
+            comm.barrier()
         return True
 
     save_fp16_model = save_16bit_model

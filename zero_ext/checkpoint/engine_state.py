@@ -25,8 +25,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from . import layout as layout_of
 from ..comm import collective_check
 from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
@@ -122,7 +122,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         shutil.rmtree(tag_dir, ignore_errors=True)  # a killed save's leftovers
         os.makedirs(tag_dir)
     if world > 1:
-        dist.barrier()
+        comm.barrier()
     cfg = engine.config
     stage = cfg.zero_optimization.stage
     bf16 = cfg.bf16.enabled
@@ -139,7 +139,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         digests[MODEL_FILE] = atomic_torch_save(state, os.path.join(tag_dir, MODEL_FILE))
     gathered = [None] * world if rank == 0 else None
     if world > 1:
-        dist.gather_object(digests, gathered, dst=0)
+        comm.gather_object(digests, gathered, dst=0)
     else:
         gathered = [digests]
     if rank == 0:
@@ -153,7 +153,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         if save_latest:
             atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode())
     if world > 1:
-        dist.barrier()
+        comm.barrier()
     return True
 
 
@@ -162,7 +162,7 @@ def _validate_tag(engine, tag: str) -> None:
     if mode == "IGNORE" or engine.world_size == 1:
         return
     tags = [None] * engine.world_size
-    dist.all_gather_object(tags, tag)
+    comm.all_gather_object(tags, tag)
     if len(set(tags)) > 1:
         msg = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
         if mode == "FAIL":
@@ -270,7 +270,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     engine.zero_grad()  # no gradients carry over a load
     client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
     if engine.world_size > 1:
-        dist.barrier()
+        comm.barrier()
     return tag_dir, client_state
 
 
@@ -285,7 +285,7 @@ def _on_every_rank(engine, read):
     verdicts = [error and str(error)]
     if engine.world_size > 1:
         verdicts = [None] * engine.world_size
-        dist.all_gather_object(verdicts, error and str(error))
+        comm.all_gather_object(verdicts, error and str(error))
     failed = [(r, v) for r, v in enumerate(verdicts) if v]
     if failed:
         if error is not None and len(failed) == 1:

@@ -149,25 +149,8 @@ def get_local_rank() -> int:
 # DeepSpeed's ``deepspeed.comm`` also re-exports torch.distributed's calls; libraries (transformers,
 # accelerate) use these few. They are torch.distributed's own, on the default group.
 is_initialized = dist.is_initialized
-barrier = dist.barrier
-broadcast = dist.broadcast
-all_reduce = dist.all_reduce
-all_gather = dist.all_gather
-ReduceOp = dist.ReduceOp
-# More of deepspeed.comm's names, each torch.distributed's own function (same signature and semantics).
 new_group = dist.new_group
 get_process_group_ranks = dist.get_process_group_ranks
-all_gather_into_tensor = dist.all_gather_into_tensor
-reduce_scatter_tensor = dist.reduce_scatter_tensor
-reduce_scatter = dist.reduce_scatter
-reduce = dist.reduce
-gather = dist.gather
-scatter = dist.scatter
-all_to_all_single = dist.all_to_all_single
-send = dist.send
-recv = dist.recv
-isend = dist.isend
-irecv = dist.irecv
 destroy_process_group = dist.destroy_process_group
 get_backend = dist.get_backend
 
@@ -180,11 +163,6 @@ def get_world_group():
 def get_global_rank(group, group_rank: int) -> int:
     """The global rank of ``group_rank`` in ``group`` (``deepspeed.comm.get_global_rank``)."""
     return dist.get_global_rank(group, group_rank)
-
-
-def all_gather_base(output_tensor, tensor, group=None, async_op=False):
-    """DeepSpeed's older name of all_gather_into_tensor."""
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def add_config_arguments(parser):

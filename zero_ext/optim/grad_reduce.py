@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .._native import planner
 from .flat_group import FlatGroup
 
@@ -84,7 +85,7 @@ class BoundaryReducer:
         t = chunk if self.avg.comm_dtype == g.dtype else chunk.to(self.avg.comm_dtype)
         if self.avg.pre != 1.0:
             t.mul_(self.avg.pre)
-        dist.all_reduce(t, group=self.pg)
+        comm.all_reduce(t, group=self.pg)
         lo, hi = max(a, g.lo), min(b, g.hi)
         if lo < hi and not (aliased and t is chunk):
             g.grad[lo - g.lo:hi - g.lo].copy_(t[lo - a:hi - a])
@@ -95,7 +96,7 @@ class BoundaryReducer:
             g.lp_grad.mul_(self.avg.pre)
         for a, b in _chunks(g.part, chunk):
             inputs = [g.lp_grad[r * g.part + a:r * g.part + b] for r in range(g.world)]
-            dist.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
+            comm.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
 
     buffers = ()  # (it reduces in the gradients' own storage)
 
@@ -267,7 +268,7 @@ class BucketReducer(StreamingReducer):
         if self.world > 1:
             for owner, (a, b) in enumerate(regions):
                 if b > a:
-                    handles.append(dist.reduce(buf[a:b], dst=owner, group=self.pg, async_op=self.overlap))
+                    handles.append(comm.reduce(buf[a:b], dst=owner, group=self.pg, async_op=self.overlap))
         a, _ = regions[self.rank]
         mine = [(gi, partoff, length) for gi, _, _, partoff, length in by_owner[self.rank]]
         entry = (handles, base, buf, (a, mine))

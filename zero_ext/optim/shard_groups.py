@@ -20,8 +20,8 @@ import contextlib
 from typing import Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from .._native import planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
 from .._native.planner import Piece
@@ -163,10 +163,10 @@ class ShardReducer(StreamingReducer):
                 buf.mul_(self.avg.pre)
             if buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
-                handle = dist.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
+                handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
                 buf = out
             else:
-                handle = dist.all_reduce(buf, group=self.pg, async_op=self.overlap)
+                handle = comm.all_reduce(buf, group=self.pg, async_op=self.overlap)
                 buf = buf[self.rank * block:(self.rank + 1) * block]
         entry = (handle, buf, members)
         self.buffers.append(buf)

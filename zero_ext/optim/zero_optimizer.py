@@ -15,29 +15,14 @@ import math
 from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
 from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
-
-
-_INTO_TENSOR = [True]  # whether this torch's backend has all_gather_into_tensor
-
-
-def _gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, pg) -> bool:
-    """all_gather_into_tensor where the backend has it (gloo in older torch does not): False otherwise."""
-    if not _INTO_TENSOR[0]:
-        return False
-    try:
-        dist.all_gather_into_tensor(out, inp, group=pg)
-        return True
-    except (RuntimeError, NotImplementedError, AttributeError):
-        _INTO_TENSOR[0] = False
-        return False
 
 
 class ZeroOptimizer:
@@ -137,7 +122,7 @@ class ZeroOptimizer:
             if not g.grad.is_cpu:
                 sq += g.grad_sq_norm()
         if self.stage >= 1 and self.world > 1:
-            dist.all_reduce(sq, group=self.pg)
+            comm.all_reduce(sq, group=self.pg)
         return sq.item()
 
     def step(self) -> bool:
@@ -427,12 +412,13 @@ class ZeroOptimizer:
         """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""
         for g in self.flat_groups:
             chunk = planner.allgather_chunk(g.part, self.world, self.allgather_bucket_size)
-            if chunk >= g.part and _gather_into_tensor(g.flat, g.flat[g.lo:g.hi].clone(), self.pg):
-                continue  # the flat buffer is rank-major partitions: one call fills it in place
+            if chunk >= g.part:  # the flat buffer is rank-major partitions: one call fills it in place
+                comm.all_gather_into(g.flat, g.flat[g.lo:g.hi].clone(), self.pg)
+                continue
             for a in range(0, g.part, chunk):
                 b = min(g.part, a + chunk)
                 outputs = [g.flat[r * g.part + a:r * g.part + b] for r in range(self.world)]
-                dist.all_gather(outputs, g.flat[g.lo + a:g.lo + b].clone(), group=self.pg)
+                comm.all_gather(outputs, g.flat[g.lo + a:g.lo + b].clone(), group=self.pg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the accumulated gradients (the flat buffers stay; parameters keep their views)."""

@@ -23,8 +23,8 @@ import itertools
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 
+from .. import comm
 from ..comm.collective_check import check_all_ranks_call, debug_enabled
 from ..engine import engine_of
 from ..zero.param import zero_param_of
@@ -92,7 +92,7 @@ class _Where:
         out[self.param_offset:self.param_offset + self.length] = \
             partition[self.part_offset:self.part_offset + self.length]
         if self.g.partitioned and self.g.world > 1:
-            dist.all_reduce(out)
+            comm.all_reduce(out)
         return out.view(shape)
 
     def real(self, partition: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .._native import planner
-
-_LIST_ALLGATHER = False  # set when the backend refused all_gather_into_tensor once
-
 
 def rank_and_world(group) -> Tuple[int, int]:
     """This process's rank in ``group`` and the group's size (0 and 1 without torch.distributed)."""
@@ -42,17 +40,6 @@ def global_rank(group, group_rank: int) -> int:
     if group is None or not dist.is_initialized():
         return group_rank
     return dist.get_global_rank(group, group_rank)
-
-
-def _all_gather_into(output: torch.Tensor, own: torch.Tensor, group, world: int, async_op: bool = False):
-    """``all_gather_into_tensor``, or the list form where the backend lacks it; a Work when async."""
-    global _LIST_ALLGATHER
-    if not _LIST_ALLGATHER:
-        try:
-            return dist.all_gather_into_tensor(output, own, group=group, async_op=async_op)
-        except (RuntimeError, NotImplementedError, AttributeError):
-            _LIST_ALLGATHER = True
-    return dist.all_gather(list(output.view(world, -1).unbind(0)), own.clone(), group=group, async_op=async_op)
 
 
 class PendingGather:
@@ -99,7 +86,7 @@ def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[to
         out = outputs[0]
         own = out.view(world, -1)[rank]
         own.copy_(pieces[0])
-        return PendingGather(_all_gather_into(out, own, group, world, async_op=True), None)
+        return PendingGather(comm.all_gather_into(out, own, group, async_op=True), None)
     block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
     offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}  # each piece's start in a block
     buffer = torch.empty(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
@@ -108,7 +95,7 @@ def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[to
     for i, piece in enumerate(pieces):
         if i in offsets:
             own[offsets[i]: offsets[i] + piece.numel()].copy_(piece)
-    work = _all_gather_into(buffer, own, group, world, async_op=True)
+    work = comm.all_gather_into(buffer, own, group, async_op=True)
 
     def copy_out():  # after the wait: on CUDA, on the current stream, which now follows the collective
         for i, out in enumerate(outputs):
@@ -121,7 +108,7 @@ def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[to
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group) -> None:
     """``tensor`` (contiguous) takes the value it has on group rank ``src_group_rank``."""
     if rank_and_world(group)[1] > 1:
-        dist.broadcast(tensor, src=global_rank(group, src_group_rank), group=group)
+        comm.broadcast(tensor, src=global_rank(group, src_group_rank), group=group)
 
 
 def scatter_pieces(full: torch.Tensor, piece: torch.Tensor, src_group_rank: int, group) -> None:
@@ -143,7 +130,7 @@ def scatter_pieces(full: torch.Tensor, piece: torch.Tensor, src_group_rank: int,
             padded = torch.zeros(world * shard, dtype=flat.dtype, device=flat.device)
             padded[: flat.numel()].copy_(flat)
         chunks = list(padded.view(world, shard).unbind(0))
-    dist.scatter(piece, chunks, src=global_rank(group, src_group_rank), group=group)
+    comm.scatter(piece, chunks, src=global_rank(group, src_group_rank), group=group)
 
 
 def agree(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
@@ -154,7 +141,7 @@ def agree(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
         return [list(row)]
     mine = torch.tensor(list(row), dtype=torch.int64, device=device)
     out = torch.empty(world * len(row), dtype=torch.int64, device=device)
-    _all_gather_into(out, mine, group, world)
+    comm.all_gather_into(out, mine, group)
     return out.view(world, len(row)).tolist()
 
 
