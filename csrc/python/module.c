@@ -87,11 +87,11 @@ PyObject *zx_int64_list(const int64_t *v, int64_t n)
 
 static int zx_exec(PyObject *module)
 {
-	PyMethodDef *tables[] = { zx_planner_methods, zx_optim_methods, zx_aio_methods };
+	PyMethodDef *tables[] = { zx_planner_methods, zx_optim_methods, zx_aio_methods, zx_comm_methods };
 	for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
 		if (PyModule_AddFunctions(module, tables[i]) < 0)
 			return -1;
-	return zx_aio_exec(module);
+	return zx_aio_exec(module) < 0 ? -1 : zx_comm_exec(module);
 }
 
 static PyModuleDef_Slot zx_slots[] = {
@@ -107,7 +107,7 @@ static PyModuleDef_Slot zx_slots[] = {
 static struct PyModuleDef zx_module = {
 	PyModuleDef_HEAD_INIT,
 	.m_name = "zero_ext._C",
-	.m_doc = "zero_ext's C core: partition planner, SIMD dispatch, CPU optimizers, NVMe I/O.",
+	.m_doc = "zero_ext's C core: partition planner, SIMD dispatch, CPU optimizers, NVMe I/O, collectives.",
 	.m_size = 0,
 	.m_slots = zx_slots,
 };

@@ -1,0 +1,127 @@
+/* comm.h - collectives between the ranks of a process group, on raw buffers (no Python, no torch).
+ *
+ * A communicator (struct zx_comm) joins `world` ranks through one transport:
+ *
+ *   ZX_COMM_SHM   ranks on one host, CPU memory: a shared segment of two sets of per-rank slots in
+ *                 /dev/shm (comm_shm.c). Every verb is a sequence of rounds over a window of
+ *                 slot_bytes: each rank copies its part of the window into its slot, all arrive at
+ *                 a barrier, each copies or reduces what it needs out of the slots. Two slot sets
+ *                 alternate, so one barrier per round is enough.
+ *
+ * Creation: one rank calls zx_comm_unique_id() and hands the id to the others out of band (zero_ext
+ * does it through torch.distributed's store: dist stays the rendezvous and the process-group owner);
+ * then rank 0 creates the communicator from it before the others attach.
+ *
+ * Verbs are asynchronous: each enqueues one op and returns its handle; the communicator's progress
+ * thread runs ops in call order (which must be the same on every rank), and zx_comm_wait() returns
+ * the op's status. Buffers must stay valid and untouched until then.
+ *
+ * Reduction order, the same on every rank and for every ISA path (so results can be compared bit for
+ * bit): out[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ... + x_{N-1}[i] in rank order, where fp16 / bf16
+ * inputs are widened to fp32 and summed in fp32; then multiplied by the scale when it is not 1 (AVG:
+ * 1/N); then rounded once to the element type (round to nearest even). MAX / MIN take NaN from any
+ * rank. Integer types sum in their own width (wrapping).
+ *
+ * Errors: functions return 0 or -errno and never print or exit. A failed op leaves a message
+ * (zx_comm_op_error) naming the collective and the rank at fault; -ETIMEDOUT: a rank did not arrive
+ * within the timeout; -EPIPE: a rank died (its process ended without leaving); -ECONNRESET: a rank
+ * left (destroyed its communicator, or gave up after its own error). After an error every later op
+ * fails at once with the first error's message: ranks cannot resynchronise within one communicator.
+ * A child process after fork() gets -EOWNERDEAD.
+ */
+#ifndef ZX_COMM_H
+#define ZX_COMM_H
+
+#include <stdint.h>
+
+#define ZX_COMM_ID_BYTES 64	    /* a unique id, NUL-terminated */
+#define ZX_COMM_MAX_WORLD 1024	    /* ranks of one communicator */
+#define ZX_COMM_ERROR_BYTES 256	    /* an op's message, NUL-terminated */
+
+enum zx_comm_transport { ZX_COMM_SHM = 1 };
+
+/* Reductions (the order is in the header comment). */
+enum zx_comm_redop { ZX_REDOP_SUM = 0, ZX_REDOP_AVG = 1, ZX_REDOP_MAX = 2, ZX_REDOP_MIN = 3 };
+
+struct zx_comm;	   /* opaque */
+struct zx_comm_op; /* an op's handle: waited for, or released with zx_comm_op_free */
+
+/* A fresh id for a communicator of `transport` (for SHM, the segment's name). Also removes the
+ * segments earlier runs left behind when they were killed before every rank attached. */
+int zx_comm_unique_id(int transport, char id[ZX_COMM_ID_BYTES]);
+
+/* Joins communicator `id` as `rank` of `world`. Rank 0 must return from it before the others call
+ * it (it creates the segment). timeout_s bounds every wait of every op. slot_bytes: bytes of each
+ * rank's slot (rounded to 4 KiB; 0 picks a size from world). -ENOENT: no such communicator yet. */
+int zx_comm_create(struct zx_comm **out, int transport, const char *id, int rank, int world,
+		   double timeout_s, int64_t slot_bytes);
+
+/* Called by rank 0 once every rank has returned from zx_comm_create: removes the segment's name, so
+ * nothing is left in /dev/shm whatever happens later (the memory lives while a rank maps it). */
+int zx_comm_unlink(struct zx_comm *comm);
+
+/* Waits for the ops in flight, tells the other ranks this one left, and frees the communicator. */
+void zx_comm_destroy(struct zx_comm *comm);
+
+int zx_comm_rank(const struct zx_comm *comm);
+int zx_comm_world(const struct zx_comm *comm);
+int64_t zx_comm_segment_bytes(const struct zx_comm *comm); /* shared memory this rank maps */
+int64_t zx_comm_ops(const struct zx_comm *comm);	    /* ops enqueued so far */
+
+/* --- verbs: each returns 0 with *op set, or -errno (nothing enqueued) --------------------------- */
+
+/* Every rank's `bytes` at `in` into `out` (world * bytes), rank-major. `in` may lie inside `out`. */
+int zx_comm_all_gather(struct zx_comm *comm, const void *in, void *out, int64_t bytes,
+		       struct zx_comm_op **op);
+
+/* A bucket of n tensors in one op, without a flatten copy: rank r's ins[j] (bytes[j] bytes) lands
+ * at outs[j] + r * bytes[j] on every rank. */
+int zx_comm_all_gather_group(struct zx_comm *comm, int n, const void *const *ins, void *const *outs,
+			     const int64_t *bytes, struct zx_comm_op **op);
+
+/* Rank r's counts[r] bytes at `in` land at out + (counts[0] + ... + counts[r-1]). */
+int zx_comm_all_gather_v(struct zx_comm *comm, const void *in, void *out, const int64_t *counts,
+			 struct zx_comm_op **op);
+
+/* `in` holds world * count elements; out (count) = the reduction over ranks of chunk `rank`, times
+ * scale. */
+int zx_comm_reduce_scatter(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype,
+			   int redop, double scale, struct zx_comm_op **op);
+
+/* out (count) = the reduction over ranks of in (count), times scale. in == out is allowed. */
+int zx_comm_all_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype,
+		       int redop, double scale, struct zx_comm_op **op);
+
+/* As all_reduce, but only `root` writes out (others may pass NULL). */
+int zx_comm_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype, int redop,
+		   double scale, int root, struct zx_comm_op **op);
+
+/* `bytes` at buf of `root` into buf of every rank. */
+int zx_comm_broadcast(struct zx_comm *comm, void *buf, int64_t bytes, int root, struct zx_comm_op **op);
+
+/* root's `in` (world * bytes) cut in rank order: chunk r into `out` of rank r. */
+int zx_comm_scatter(struct zx_comm *comm, const void *in, void *out, int64_t bytes, int root,
+		    struct zx_comm_op **op);
+
+int zx_comm_barrier(struct zx_comm *comm, struct zx_comm_op **op);
+
+/* --- handles ------------------------------------------------------------------------------------ */
+
+/* Blocks until the op ran; returns its status. May be called again (same status). */
+int zx_comm_wait(struct zx_comm_op *op);
+/* 1 once the op ran, else 0. */
+int zx_comm_test(const struct zx_comm_op *op);
+/* The op's message after a failed wait ("" when it succeeded). */
+const char *zx_comm_op_error(const struct zx_comm_op *op);
+/* Releases the handle; an op still in flight runs to its end first. */
+void zx_comm_op_free(struct zx_comm_op *op);
+
+/* --- the reduction kernels (comm_reduce.c), also used by tests against their reference ---------- */
+
+/* dst[i] = reduce(srcs[0][i], ..., srcs[n-1][i]) * scale, in the documented order; isa: -1 for
+ * zx_simd_level(), else a zx_simd (0 = the scalar reference). dst may be one of the srcs.
+ * -EINVAL: a dtype / redop pair not supported (AVG and a scale are for floating types only). */
+int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
+			  int64_t count, int isa);
+
+#endif /* ZX_COMM_H */
