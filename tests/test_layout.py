@@ -23,8 +23,8 @@ LAYERS = [
     ("nvme",),
     ("ops",),
     ("offload",),
-    ("_native",),
     ("comm",),
+    ("_native",),
     ("config",),
     ("accelerator", "_C"),
 ]

@@ -53,6 +53,7 @@ def _worker_main(rank: int, world_size: int, conn) -> None:
         if job is None:
             return
         fn, args, kwargs, env, init, timeout = job
+        saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
             if init:
@@ -69,6 +70,11 @@ def _worker_main(rank: int, world_size: int, conn) -> None:
             conn.send(("error", f"result of rank {rank} could not be sent back: {exc!r}"))
         if dist.is_initialized():
             dist.destroy_process_group()
+        for k, v in saved.items():  # a case's env (e.g. ZERO_EXT_COMM) is not the next case's
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class WorkerPool:

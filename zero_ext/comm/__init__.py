@@ -3,15 +3,18 @@
 Files:
 - process_groups.py: ``init_distributed`` (DeepSpeed's signature) over torch.distributed, ranks and
   groups.
-- collectives.py: the collective facade: every collective zero_ext runs (and deepspeed.comm's names).
+- collectives.py: the collective facade: every collective zero_ext runs (and deepspeed.comm's names),
+  each routed to the native transport or to torch.distributed.
+- native.py: the native shared-memory transport (csrc/comm.h) for CPU tensors of ranks on one host.
 - collective_check.py: every rank must call a collective API; one that does not fails with an
   explanation instead of hanging the others.
 """
-from .collectives import (ReduceOp, all_gather, all_gather_base, all_gather_into, all_gather_into_tensor,  # noqa: F401
-                          all_gather_object, all_reduce, all_to_all_single, barrier, broadcast, gather,
+from .collectives import (ReduceOp, all_gather, all_gather_base, all_gather_coalesced,  # noqa: F401
+                          all_gather_into, all_gather_into_tensor, all_gather_object, all_reduce, all_to_all_single, barrier, broadcast, gather,
                           gather_object, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor,
                           scatter, send)
 from .process_groups import (DEFAULT_TIMEOUT_MINUTES, add_config_arguments, default_backend,  # noqa: F401
                              default_timeout, destroy_process_group, get_backend, get_global_rank,
                              get_local_rank, get_process_group_ranks, get_rank, get_world_group, get_world_size,
                              init_distributed, is_initialized, new_group)
+from .native import CommError, transport  # noqa: F401

@@ -1,37 +1,123 @@
 """The collective facade: every collective zero_ext runs goes through these names, so there is one
-place that decides how ranks talk (today torch.distributed's backends: gloo on CPU, NCCL on CUDA; the
-native transport of csrc/comm plugs in here). Each is torch.distributed's function, with its
-signature and semantics (a Work back when ``async_op``), and they are DeepSpeed's ``deepspeed.comm``
-names too. ``all_gather_into`` is the one that adds something: the fallback for backends without
-``all_gather_into_tensor``.
+place that decides how ranks talk. Each has torch.distributed's signature and semantics (a Work back
+when ``async_op``), and they are DeepSpeed's ``deepspeed.comm`` names too.
+
+The transport is chosen per call, the same way on every rank: CPU tensors of a group whose ranks share
+this host go through the native shared-memory communicator (native.py, csrc/comm.h); everything else
+(CUDA tensors, ranks on several hosts, ``ZERO_EXT_COMM=torch``, reductions or dtypes the native layer
+lacks) through torch.distributed's backends (gloo, NCCL). Object collectives, point-to-point and
+all_to_all stay torch.distributed's.
 """
 import torch
 import torch.distributed as dist
 
+from . import native as _native
+
 ReduceOp = dist.ReduceOp
-all_reduce = dist.all_reduce
-all_gather = dist.all_gather
-all_gather_into_tensor = dist.all_gather_into_tensor
-reduce_scatter = dist.reduce_scatter
-reduce_scatter_tensor = dist.reduce_scatter_tensor
-reduce = dist.reduce
-broadcast = dist.broadcast
-barrier = dist.barrier
 gather = dist.gather
-scatter = dist.scatter
 all_to_all_single = dist.all_to_all_single
 send, recv, isend, irecv = dist.send, dist.recv, dist.isend, dist.irecv
 gather_object = dist.gather_object
 all_gather_object = dist.all_gather_object
+
+
+def _on_cpu(*tensors) -> bool:
+    return all(t.device.type == "cpu" and not t.is_sparse for t in tensors)
+
+
+def _route(group, *tensors):
+    """The native communicator for these tensors on this group, or None for torch.distributed."""
+    if not _on_cpu(*tensors):
+        return None
+    return _native.for_group(group)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    native = _route(group, tensor)
+    if native is not None and native.reducible(tensor.dtype, op):
+        return native.all_reduce(tensor, op, async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
+    native = _route(group, tensor)
+    if native is not None and native.reducible(tensor.dtype, op):
+        return native.reduce(tensor, dst, op, async_op)
+    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    native = _route(group, output, input)
+    if native is not None and native.reducible(output.dtype, op):
+        return native.reduce_scatter_tensor(output, input, op, async_op)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    native = _route(group, output, *input_list)
+    if native is not None and native.reducible(output.dtype, op):
+        return native.reduce_scatter(output, input_list, op, async_op)
+    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    native = _route(group, output_tensor, input_tensor)
+    if native is not None:
+        return native.all_gather_into(output_tensor, input_tensor, async_op)
+    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    native = _route(group, tensor, *tensor_list)
+    if native is not None:
+        return native.all_gather(tensor_list, tensor, async_op)
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
+    """A bucket of all-gathers in one collective: rank r's input_tensors[j] lands in
+    output_tensors[j] (world x its elements, rank-major). One op with no flatten copy natively."""
+    native = _route(group, *output_tensors, *input_tensors)
+    if native is not None and all(t.is_contiguous() for t in (*output_tensors, *input_tensors)):
+        return native.all_gather_group(list(output_tensors), list(input_tensors), async_op)
+    works = [all_gather_into(o, i, group, async_op) for o, i in zip(output_tensors, input_tensors)]
+    return _Joined(works) if async_op else None
+
+
+def broadcast(tensor, src, group=None, async_op=False):
+    native = _route(group, tensor)
+    if native is not None:
+        return native.broadcast(tensor, src, async_op)
+    return dist.broadcast(tensor, src, group=group, async_op=async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    native = _route(group, tensor, *(scatter_list or ()))
+    if native is not None:
+        return native.scatter(tensor, scatter_list, src, async_op)
+    return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    native = _native.for_group(group)
+    if native is not None and device_ids is None:
+        return native.barrier(async_op)
+    if device_ids is None:
+        return dist.barrier(group=group, async_op=async_op)
+    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+
 
 _LIST_ALLGATHER = False  # set once this backend refused all_gather_into_tensor (gloo in older torch)
 
 
 def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """Every rank's ``inp`` into ``output``, rank-major (``world * inp.numel()`` elements):
-    all_gather_into_tensor, or the list form where the backend lacks it. ``inp`` may be a view of
-    ``output``."""
+    all_gather_into_tensor, or the list form where the torch backend lacks it. ``inp`` may be a view
+    of ``output``."""
     global _LIST_ALLGATHER
+    native = _route(group, output, inp)
+    if native is not None:
+        return native.all_gather_into(output, inp, async_op)
     if not _LIST_ALLGATHER:
         try:
             return dist.all_gather_into_tensor(output, inp, group=group, async_op=async_op)
@@ -43,4 +129,19 @@ def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group=None, async_o
 
 def all_gather_base(output_tensor, tensor, group=None, async_op=False):
     """DeepSpeed's older name of all_gather_into_tensor."""
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+class _Joined:
+    """Several works waited as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, timeout=None):
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self.works)

@@ -151,7 +151,16 @@ def get_local_rank() -> int:
 is_initialized = dist.is_initialized
 new_group = dist.new_group
 get_process_group_ranks = dist.get_process_group_ranks
-destroy_process_group = dist.destroy_process_group
+
+
+def destroy_process_group(group=None):
+    """torch's, after destroying the native communicators of the groups that go (all for None)."""
+    from . import native  # native imports this module for default_timeout
+
+    native.destroy_all() if group is None else native.destroy_group(group)
+    dist.destroy_process_group(group)
+
+
 get_backend = dist.get_backend
 
 
