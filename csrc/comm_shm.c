@@ -49,6 +49,7 @@
 #define SHM_PIECE (1 << 20)	   /* bytes of work one pool thread takes at a time */
 #define SHM_POOL_MIN (4 << 20)	   /* a round moving less than this stays on one thread */
 #define SHM_DEFAULT_SLOT (4 << 20) /* bytes, capped so both sets stay within 64 MiB */
+#define SHM_SOLO_SLOT (64 << 10)   /* one rank only copies: small slots suffice */
 
 enum { SEAT_EMPTY = 0, SEAT_IN = 1, SEAT_LEFT = 2, SEAT_FAILED = 3 };
 
@@ -170,7 +171,7 @@ int zx_shm_unique_id(char id[ZX_COMM_ID_BYTES])
 
 static int64_t pick_slot(int64_t asked, int world)
 {
-	int64_t s = asked ? asked : SHM_DEFAULT_SLOT;
+	int64_t s = asked ? asked : world == 1 ? SHM_SOLO_SLOT : SHM_DEFAULT_SLOT;
 	if (!asked && s * 2 * world > (64 << 20))
 		s = (64 << 20) / (2 * world);
 	s = (s + 4095) & ~(int64_t)4095;

@@ -55,7 +55,20 @@ def _measure(stage, dtype, overlap):
     buffers = sum(b.numel() * b.element_size() for b in engine.module.buffers())
     bucket_numel = getattr(opt.reducer, "buffer_numel", 0)
     engine.destroy()
-    return points, psi, frozen, buffers, bucket_numel
+    return points, psi, frozen, buffers, bucket_numel, _transport_share(engine.world_size)
+
+
+def _transport_share(world):
+    """docs/memory.md's formula for the native transport's segment, this rank's share."""
+    from zero_ext.comm import native
+
+    if native.for_group() is None:
+        return 0
+    slot = (64 << 10) if world == 1 else min(4 << 20, (32 << 20) // world)
+    header = -(-(256 * (world + 1)) // 4096) * 4096
+    share = (header + 2 * world * slot) // world
+    assert native.buffer_bytes() == share
+    return share
 
 
 CASES = [(s, d, n, o) for s in (0, 1, 2) for d in ("fp32", "bf16") for n in (2,) for o in (False,)]
@@ -65,13 +78,14 @@ CASES += [(3, "fp32", 2, False), (3, "bf16", 2, True), (3, "bf16", 1, False), (3
 
 @pytest.mark.parametrize("stage,dtype,world,overlap", CASES)
 def test_breakdown_matches_the_formula(stage, dtype, world, overlap):
-    for rank, (points, psi, frozen, buffers, bucket_numel) in enumerate(
+    for rank, (points, psi, frozen, buffers, bucket_numel, transport) in enumerate(
             run_ranks(world, _measure, stage, dtype, overlap, timeout=120)):
         assert psi % (2 * world) == 0 or stage == 3
         for point, table in points.items():
             if point == "after backward 0":
                 continue  # Adam creates its state lazily, at the first step
             exp = _expected(stage, dtype, world, psi, frozen, buffers, bucket_numel, overlap, point)
+            exp["comm_buffers"] += transport
             for kind, want in exp.items():
                 got = table[kind]["accelerator"]
                 assert got == want, f"rank {rank}, {point}: {kind} = {got} bytes, the formula says {want}"

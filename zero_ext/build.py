@@ -81,9 +81,9 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         raise
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
-    logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d", cfg.zero_optimization.stage,
-                cfg.precision, world, cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
-                cfg.gradient_accumulation_steps, world)
+    logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d; CPU collectives on %s",
+                cfg.zero_optimization.stage, cfg.precision, world, cfg.train_batch_size,
+                cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world, comm.transport())
     return engine
 
 

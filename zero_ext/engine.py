@@ -420,6 +420,10 @@ class ZeroEngine(torch.nn.Module):
             account.bytes["fp32_master"]["nvme"] += masters
             account.bytes["optimizer_state"]["nvme"] += states
             account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
+        # the native transport's shared slots, this rank's share (docs/memory.md): host memory, which
+        # on a CPU run is the compute device's
+        account.bytes["comm_buffers"]["accelerator" if self.device.type == "cpu" else "host"] += \
+            comm.native.buffer_bytes()
         for pieces in self._piece_stores():
             account.bytes["params"]["nvme"] += pieces.nvme_bytes()
             for t in pieces.cached_tensors():  # (max_in_cpu's host copies)

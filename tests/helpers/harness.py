@@ -69,7 +69,9 @@ def _worker_main(rank: int, world_size: int, conn) -> None:
         except Exception as exc:  # an unpicklable result: say so rather than hang the test
             conn.send(("error", f"result of rank {rank} could not be sent back: {exc!r}"))
         if dist.is_initialized():
-            dist.destroy_process_group()
+            from zero_ext import comm
+
+            comm.destroy_process_group()  # the native communicators go now, not when gc finds the group
         for k, v in saved.items():  # a case's env (e.g. ZERO_EXT_COMM) is not the next case's
             if v is None:
                 os.environ.pop(k, None)
@@ -144,7 +146,9 @@ class WorkerPool:
         for r in pending.values():
             self._kill(r)
         if errors:
-            first = next(iter(errors))
+            # a rank that died is the cause even when a survivor's error (fast native collectives
+            # notice a death within milliseconds) arrived in the same wait
+            first = next((r for r, e in errors.items() if e.startswith(f"rank {r} died")), next(iter(errors)))
             others = sorted(set(errors) - {first})
             note = f" (ranks {others} failed too)" if others else ""
             killed = f"; ranks {sorted(pending.values())} were killed" if pending else ""

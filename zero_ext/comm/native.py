@@ -229,7 +229,6 @@ class Native:
 _BY_GROUP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> Native | None
 _LIVE: List[Native] = []  # destroyed at exit (before the interpreter tears torch down)
 _LOCK = threading.Lock()
-_MADE: dict = {}  # group name -> communicators made for it, so store keys never repeat in a run
 
 
 def _host_id() -> str:
@@ -254,10 +253,12 @@ def _timeout_s(group) -> float:
 def _bootstrap(group, ranks) -> Optional[Native]:
     store = dist.distributed_c10d._get_default_store()
     me, n = ranks.index(dist.get_rank()), len(ranks)
-    # group names agree across ranks (torch numbers groups in creation order); the count keeps keys of
-    # a group re-created after destroy_process_group apart from its predecessor's
-    made = _MADE[group.group_name] = _MADE.get(group.group_name, 0) + 1
-    key = f"zero_ext/comm/{group.group_name}/{made}"
+    # group names agree across ranks (torch numbers groups in creation order), but a store can outlive
+    # a group (torchrun's agent store, a re-initialised world): each communicator made for the name
+    # takes the next generation, counted in the store, where every rank adds one
+    base = f"zero_ext/comm/{group.group_name}"
+    generation = -(-store.add(f"{base}/joins", 1) // n)
+    key = f"{base}/{generation}"
     store.set(f"{key}/host/{me}", _host_id())
     hosts = {store.get(f"{key}/host/{i}").decode() for i in range(n)}
     if len(hosts) != 1 or next(iter(hosts)).startswith("!"):
@@ -330,8 +331,9 @@ def transport(group=None) -> str:
 
 
 def buffer_bytes() -> int:
-    """Bytes of shared memory this rank's communicators map (the memory report's comm buffers)."""
-    return sum(n.comm.segment_bytes for n in _LIVE if not n.comm.destroyed)
+    """This rank's share of the shared memory its communicators map (each segment / its ranks, so
+    that the ranks' reports add up to what the host holds): the memory report's comm buffers."""
+    return sum(n.comm.segment_bytes // n.world for n in _LIVE if not n.comm.destroyed)
 
 
 def destroy_group(group):
