@@ -28,3 +28,53 @@ def test_all_gather_into_is_rank_major_with_and_without_the_fallback():
     for tensor_form, list_form in run_ranks(2, _gather_both_ways):
         want = [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
         assert tensor_form == list_form == (want, want)
+
+
+def _facade_calls():
+    """Each verb of the facade on small tensors (integer-valued floats: exact in any sum order),
+    contiguous and not, sync and async; the results and the transport."""
+    from zero_ext import comm
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {"transport": comm.transport()}
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        base = (torch.arange(12) + 100 * rank).to(dtype)
+        t = base.clone()
+        comm.all_reduce(t)
+        m = base.clone()
+        comm.all_reduce(m, op=comm.ReduceOp.MAX, async_op=True).wait()
+        strided = base.clone().view(3, 4).t()  # not contiguous
+        comm.all_reduce(strided)
+        g = torch.empty(world * 12, dtype=dtype)
+        comm.all_gather_into_tensor(g, base)
+        parts = [torch.empty(12, dtype=dtype) for _ in range(world)]
+        comm.all_gather(parts, base)
+        rs = torch.empty(3, dtype=dtype)
+        comm.reduce_scatter_tensor(rs, torch.arange(3 * world).to(dtype) + rank)
+        rsl = torch.empty(3, dtype=dtype)
+        comm.reduce_scatter(rsl, [torch.full((3,), float(r + rank)).to(dtype) for r in range(world)])
+        b = base.clone()
+        comm.broadcast(b, src=world - 1)
+        red = base.clone()
+        comm.reduce(red, dst=0)
+        sc = torch.empty(2, dtype=dtype)
+        comm.scatter(sc, [torch.full((2,), float(r)).to(dtype) for r in range(world)] if rank == 0 else None, src=0)
+        v = torch.empty(sum(range(1, world + 1)), dtype=dtype)
+        comm.all_gather_v(v, torch.full((rank + 1,), float(rank)).to(dtype), list(range(1, world + 1)))
+        outs = [torch.empty(world * n, dtype=dtype) for n in (5, 1)]
+        comm.all_gather_coalesced(outs, [torch.full((n,), float(rank)).to(dtype) for n in (5, 1)],
+                                  async_op=True).wait()
+        comm.barrier()
+        out[str(dtype)] = [x.float().tolist() for x in (t, m, strided, g, *parts, rs, rsl, b, sc, v, *outs)] + \
+            ([red.float().tolist()] if rank == 0 else [])
+    return out
+
+
+def test_the_facade_gives_the_same_results_on_both_transports():
+    for world in (2, 3):
+        native = run_ranks(world, _facade_calls)
+        on_torch = run_ranks(world, _facade_calls, env={"ZERO_EXT_COMM": "torch"})
+        for rank in range(world):
+            assert native[rank].pop("transport") == "native shared memory"
+            assert on_torch[rank].pop("transport") == "torch.distributed"
+            assert native[rank] == on_torch[rank], f"world {world}, rank {rank}"

@@ -84,6 +84,33 @@ def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=Fal
     return _Joined(works) if async_op else None
 
 
+def all_gather_v(output, inp, counts, group=None, async_op=False):
+    """Rank r's ``counts[r]`` elements (its ``inp``) laid end to end in rank order into ``output``
+    (``sum(counts)`` elements): an all-gather of unequal parts, e.g. a parameter's fragments. Natively
+    one op moving only the real bytes; on torch.distributed an all-gather of parts padded to the
+    largest, then a copy."""
+    if inp.numel() != counts[dist.get_rank(group)] or output.numel() != sum(counts):
+        raise ValueError(f"all_gather_v: this rank's part has {inp.numel()} elements, counts say "
+                         f"{counts[dist.get_rank(group)]}; output {output.numel()} vs {sum(counts)}")
+    native = _route(group, output, inp)
+    if native is not None and output.is_contiguous():
+        return native.all_gather_v(output, inp, counts, async_op)
+    most = max(counts)
+    padded = output.new_zeros(len(counts) * most)
+    padded[:inp.numel()].copy_(inp.reshape(-1))
+    work = all_gather_into(padded, padded[:most].clone(), group, async_op)
+
+    def unpack():
+        pos = 0
+        for r, n in enumerate(counts):
+            output.view(-1)[pos:pos + n].copy_(padded[r * most:r * most + n])
+            pos += n
+    if not async_op:
+        unpack()
+        return None
+    return _Then(work, unpack)
+
+
 def broadcast(tensor, src, group=None, async_op=False):
     native = _route(group, tensor)
     if native is not None:
@@ -145,3 +172,20 @@ class _Joined:
 
     def is_completed(self):
         return all(w.is_completed() for w in self.works)
+
+
+class _Then:
+    """A work, then a step once it completed (wait() runs it once)."""
+
+    def __init__(self, work, then):
+        self.work, self.then = work, then
+
+    def wait(self, timeout=None):
+        self.work.wait()
+        then, self.then = self.then, None
+        if then is not None:
+            then()
+        return True
+
+    def is_completed(self):
+        return self.work.is_completed()

@@ -160,6 +160,12 @@ class Native:
                                         [t.numel() * t.element_size() for t in inputs])
         return self._run(op, (outputs, inputs), None, async_op)
 
+    def all_gather_v(self, output: torch.Tensor, inp: torch.Tensor, counts, async_op=False):
+        size = output.element_size()
+        src = inp if inp.is_contiguous() else inp.contiguous()
+        op = self.comm.all_gather_v(src.data_ptr(), output.data_ptr(), [c * size for c in counts])
+        return self._run(op, (output, src), None, async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int, async_op=False):
         buf, back = _contiguous(tensor)
         op = self.comm.broadcast(buf.data_ptr(), buf.numel() * buf.element_size(), self.group_rank(src))

@@ -88,12 +88,26 @@ class _Where:
         return partition[self.part_offset:self.part_offset + self.local_length]
 
     def full(self, partition: torch.Tensor, shape) -> torch.Tensor:
-        out = torch.zeros(self.numel, dtype=torch.float32, device=partition.device)
-        out[self.param_offset:self.param_offset + self.length] = \
-            partition[self.part_offset:self.part_offset + self.length]
-        if self.g.partitioned and self.g.world > 1:
-            comm.all_reduce(out)
+        """The whole parameter-shaped value: every rank's fragment, gathered in rank order."""
+        mine = partition[self.part_offset:self.part_offset + self.length].float()
+        if not (self.g.partitioned and self.g.world > 1):
+            out = torch.zeros(self.numel, dtype=torch.float32, device=partition.device)
+            out[self.param_offset:self.param_offset + self.length] = mine
+            return out.view(shape)
+        out = torch.empty(self.numel, dtype=torch.float32, device=partition.device)
+        comm.all_gather_v(out, mine, self.fragment_lengths())
         return out.view(shape)
+
+    def fragment_lengths(self):
+        """Each rank's real elements of this parameter: fragments tile it in rank order (stage 3: shards
+        of ceil(numel / N); stages 1-2: the parameter's overlap with each rank's flat partition)."""
+        n, world = self.numel, self.g.world
+        shards = getattr(self.g, "shards", None)
+        if shards is not None:
+            s = shards[self.i]
+            return [max(0, min(s, n - r * s)) for r in range(world)]
+        lo, part = self.g.offsets[self.i], self.g.part
+        return [max(0, min(lo + n, (r + 1) * part) - max(lo, r * part)) for r in range(world)]
 
     def real(self, partition: torch.Tensor) -> torch.Tensor:
         """The real (unpadded) elements of this rank's fragment inside a partition-shaped tensor."""

@@ -1,0 +1,112 @@
+"""Collectives on CPU tensors: the native shared-memory transport against torch.distributed's gloo and a
+memcpy floor, 2 ranks on this host, measured in the same run.
+
+    python benchmarks/bench_comm.py [--world 2] [--max-mib 256] [--repeat 5] [--dtypes fp32,bf16]
+
+For each verb and size (the full tensor: the all-gather's output, the reduce-scatter's input, the
+all-reduce's buffer) every rank starts from a barrier and the slower rank's time counts; the table shows
+the best of `repeat` (the least disturbed by other processes). The floor is both ranks copying `size`
+bytes at once (the least any of the three must move per rank: an all-gather writes its output, a
+reduce-scatter reads every rank's part, an all-reduce both). Ratios: gloo / native (how many times
+faster native is) and floor / native (the fraction of the memory-bound speed native reaches).
+Targets (issue 18): from 4 MiB up, >= 3x gloo and >= 0.6x the floor.
+"""
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from _spawn import spawn_ranks  # noqa: E402
+
+MiB = 2 ** 20
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # gloo: outside the timed region
+    return t.item()
+
+
+def _time(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first is a warm-up (page faults, first-touch of slots)
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        best = min(best, _slowest(time.perf_counter() - start))
+    return best
+
+
+def _worker(rank, world, sizes, dtypes, repeat, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    from zero_ext.comm import native as native_comm
+
+    native = native_comm.for_group()
+    rows = []
+    for dname in dtypes:
+        dtype = DTYPES[dname]
+        for size in sizes:
+            n = size // torch.tensor([], dtype=dtype).element_size()
+            n -= n % world
+            full, part = torch.randn(n).to(dtype), torch.randn(n // world).to(dtype)
+            src, dst = torch.empty(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+            src.fill_(1)
+            row = {"dtype": dname, "size": size, "floor": _time(lambda: dst.copy_(src), repeat)}
+            verbs = {
+                "all_gather": (lambda: native.all_gather_into(full, part),
+                               lambda: dist.all_gather_into_tensor(full, part)),
+                "reduce_scatter": (lambda: native.reduce_scatter_tensor(part, full, dist.ReduceOp.SUM),
+                                   lambda: dist.reduce_scatter_tensor(part, full)),
+                "all_reduce": (lambda: native.all_reduce(full, dist.ReduceOp.SUM),
+                               lambda: dist.all_reduce(full)),
+            }
+            for verb, (nat, gloo) in verbs.items():
+                try:
+                    g = _time(gloo, repeat)
+                except RuntimeError:  # gloo lacks reduce_scatter in some builds
+                    g = float("nan")
+                row[verb] = (_time(nat, repeat), g)
+            rows.append(row)
+    if rank == 0:
+        queue.put(rows)
+    native_comm.destroy_all()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--max-mib", type=float, default=256)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    args = ap.parse_args()
+    sizes, s = [], 64 * 1024
+    while s <= args.max_mib * MiB:
+        sizes.append(s)
+        s *= 4
+    rows = spawn_ranks(_worker, (args.world, sizes, args.dtypes.split(","), args.repeat), args.world,
+                       timeout=3600, label="bench_comm")[0]
+    print(f"{args.world} ranks; times in ms (best of {args.repeat}); x gloo = gloo / native; "
+          f"x floor = floor / native")
+    print(f"{'dtype':5} {'size':>9} {'floor':>8} | {'verb':>14} {'native':>8} {'gloo':>8} {'x gloo':>6} "
+          f"{'x floor':>7}")
+    for r in rows:
+        for verb in ("all_gather", "reduce_scatter", "all_reduce"):
+            nat, gloo = r[verb]
+            size = f"{r['size'] / MiB:g} MiB"
+            print(f"{r['dtype']:5} {size:>9} {r['floor'] * 1e3:8.2f} | {verb:>14} {nat * 1e3:8.2f} "
+                  f"{gloo * 1e3:8.2f} {gloo / nat:6.2f} {r['floor'] / nat:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
