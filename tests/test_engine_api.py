@@ -243,7 +243,10 @@ def _bucket_dtype_and_bytes():
     engine, opt, _, _ = _engine(config)
     loss = engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16))
     engine.backward(loss)
-    return opt.reducer.dtype, engine.memory_breakdown()["comm_buffers"]["accelerator"], opt.reducer.buffer_numel
+    from zero_ext.comm import native
+
+    buckets = engine.memory_breakdown()["comm_buffers"]["accelerator"] - native.buffer_bytes()
+    return opt.reducer.dtype, buckets, opt.reducer.buffer_numel
 
 
 def test_communication_data_type_sets_the_bucket_dtype():
@@ -309,3 +312,22 @@ def test_lion_from_the_config_runs_the_c_optimizer_and_matches_it_unpartitioned(
     assert name == "CPULion"
     for n, p in ref.named_parameters():
         assert ((params[n] - p.detach()).abs() <= 1e-5 * (p.detach().abs() + 1e-3)).all(), n
+
+
+def test_compute_device_follows_the_visible_gpus(monkeypatch):
+    """cuda:LOCAL_RANK when each rank sees every GPU; cuda:0 when CUDA_VISIBLE_DEVICES gives each rank
+    its own; a LOCAL_RANK past several visible GPUs named (the CUDA calls themselves need a GPU, so
+    torch.cuda's answers are stood in for here)."""
+    from zero_ext.accelerator import compute_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for count, local, want in ((8, 3, "cuda:3"), (1, 3, "cuda:0"), (1, 0, "cuda:0")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        monkeypatch.setenv("LOCAL_RANK", str(local))
+        assert str(compute_device()) == want
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(RuntimeError, match="LOCAL_RANK=3, but this process sees 2 GPUs"):
+        compute_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert str(compute_device()) == "cpu"

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import comm
+from .accelerator import compute_device
 from .comm.collective_check import call_number, check_all_ranks_call
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
@@ -58,7 +59,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     world, rank = comm.get_world_size(), comm.get_rank()
     _agree_across_ranks(model, cfg)
     _hand_over(model)
-    device = _device()
+    device = compute_device()
     plan = OffloadPlan(cfg.zero_optimization)
     was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
     made = _Made()
@@ -137,10 +138,6 @@ def _hand_over(model: torch.nn.Module) -> None:
         old.destroy()
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", comm.get_local_rank())
-    return torch.device("cpu")
 
 
 # -- 1. the model -------------------------------------------------------------------------------------------

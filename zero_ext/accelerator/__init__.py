@@ -14,6 +14,22 @@ from typing import Dict, List, Optional
 import torch
 
 
+def compute_device() -> torch.device:
+    """The device this rank computes on. With CUDA: GPU LOCAL_RANK when the process sees one per local
+    rank, the only GPU it sees when each rank is given its own (CUDA_VISIBLE_DEVICES per rank, as
+    schedulers do); a LOCAL_RANK beyond several visible GPUs is an error naming both. Else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count, local = torch.cuda.device_count(), int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local < count:
+        return torch.device("cuda", local)
+    raise RuntimeError(f"LOCAL_RANK={local}, but this process sees {count} GPUs "
+                       f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): give each "
+                       "rank one GPU, or let every rank see all of them")
+
+
 class Accelerator:
     """The device zero_ext computes on: ``cuda`` (device LOCAL_RANK) or ``cpu``."""
 

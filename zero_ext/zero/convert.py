@@ -12,16 +12,15 @@ import torch.distributed as dist
 
 from .._native import planner
 from . import collectives, internal
+from ..accelerator import compute_device
 from .fetch import FetchSite, check_agreement
 from .param import ZeroParam, is_zero_param, next_ds_id, peek_ds_id
 from .status import FetchKind
 
 
 def local_device() -> torch.device:
-    """The device this rank computes on: ``cuda:LOCAL_RANK`` when CUDA is present, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+    """The device this rank computes on (accelerator.compute_device)."""
+    return compute_device()
 
 
 def resolve_group(data_parallel_group=None, mpu=None):
