@@ -8,9 +8,8 @@
   When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
   the parameters directly, and fp32 training holds no second copy of its partition.
 - ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
-  Stage 2 frees it after the step and makes it again, zeroed, when the next backward's first bucket
-  lands (``free_grad`` / ``ensure_grad``): between steps it holds nothing, and it is 4 bytes a
-  partition element (DeepSpeed frees its partition too).
+  Stage 2 frees it after an applied step and makes it again, zeroed, when the next backward's first
+  bucket lands (``free_grad`` / ``ensure_grad``): between steps it would only hold zeros.
 - With optimizer offload (``host``, offload/plan.py) ``master`` and ``grad`` are host-memory tensors of their
   own — never views of ``flat`` — and the step writes the new values back into ``flat``.
 - ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
