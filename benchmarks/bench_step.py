@@ -3,7 +3,12 @@
     python benchmarks/bench_step.py [--steps 8] [--warmup 2] [--configs z1,z2]
 
 The model is demo/model.py's GPT at ~19M parameters (d 512, 6 layers, byte vocabulary), fp32, AdamW,
-gradient clipping at 1.0, the same random batches for every configuration. Each configuration runs in
+gradient clipping at 1.0, the same random batches for every configuration. The config's AdamW runs on
+zero_ext's C kernel (CPU tensors); a "-torch" configuration sets ``torch_adam: true`` (torch.optim.AdamW,
+what the engine ran before the kernel became its default on CPU), so the two are compared in one run.
+Beside the whole step, two parts of it are timed: the optimizer phase, engine.step() (at stages 0/1 the
+gradient reduction, then norm, clip, update, all-gather), for DDP/FSDP2 clip_grad_norm_ + optimizer.step();
+and inside it the update alone, the base optimizer's step() (timed by its step hooks). Each configuration runs in
 a fresh pair of spawned processes, so ru_maxrss is that configuration's own peak. A step's time is the
 slower rank's (both start from a barrier); the table shows the best of the timed steps (the least
 disturbed by other processes on the machine) and their median. Ratios are
@@ -48,9 +53,10 @@ def parse_args():
     return p.parse_args()
 
 
-# name -> (ZeRO stage, overlap_comm); overlap_comm None is DeepSpeed's default (on for stage 3 only)
-ZERO_CONFIGS = {"z0": (0, None), "z1": (1, None), "z2": (2, None), "z2-overlap": (2, True), "z3": (3, None),
-                "z3-nocheck": (3, None)}  # without the fetch-order agreement (ZERO_EXT_CHECK_FETCH_ORDER=0)
+# name -> (ZeRO stage, overlap_comm); overlap_comm None is DeepSpeed's default (on for stage 3 only).
+# "-nocheck": without the fetch-order agreement (ZERO_EXT_CHECK_FETCH_ORDER=0); "-torch": torch_adam
+ZERO_CONFIGS = {"z0": (0, None), "z1": (1, None), "z1-torch": (1, None), "z2": (2, None), "z2-torch": (2, None),
+                "z2-overlap": (2, True), "z3": (3, None), "z3-torch": (3, None), "z3-nocheck": (3, None)}
 
 
 def zero_config(name: str, batch: int = 1) -> dict:
@@ -58,8 +64,9 @@ def zero_config(name: str, batch: int = 1) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET}
     if overlap is not None:
         zero["overlap_comm"] = overlap
+    params = {"lr": LR, "weight_decay": 0.01, **({"torch_adam": True} if name.endswith("-torch") else {})}
     return {"train_micro_batch_size_per_gpu": batch, "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "zero_optimization": zero}
+            "optimizer": {"type": "AdamW", "params": params}, "zero_optimization": zero}
 
 
 def accepted_configs():
@@ -82,7 +89,7 @@ def rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-# -- the two trainers: each returns (step(x, y), tensor_bytes()) ------------------------------------------
+# -- the trainers: each returns (step(x, y) -> seconds in the optimizer phase, tensor_bytes(), base optimizer) --
 
 def ddp_trainer(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -94,15 +101,17 @@ def ddp_trainer(model):
 
     def step(x, y):
         lm_loss(ddp(x), y).backward()
+        t0 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=False)
+        return time.perf_counter() - t0
 
     def tensor_bytes():
         tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
         tensors += [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         return sum(t.numel() * t.element_size() for t in tensors)
-    return step, tensor_bytes
+    return step, tensor_bytes, opt
 
 
 def fsdp2_trainer(model):
@@ -122,16 +131,18 @@ def fsdp2_trainer(model):
 
     def step(x, y):
         lm_loss(model(x), y).backward()
+        t0 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        return time.perf_counter() - t0
 
     def tensor_bytes():
         local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         tensors = local + [t.to_local() if hasattr(t, "to_local") else t
                            for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         return sum(t.numel() * t.element_size() for t in tensors)
-    return step, tensor_bytes
+    return step, tensor_bytes, opt
 
 
 def zero_trainer(model, name: str, batch: int):
@@ -139,11 +150,32 @@ def zero_trainer(model, name: str, batch: int):
 
     def step(x, y):
         engine.backward(lm_loss(engine(x), y))
+        t0 = time.perf_counter()
         engine.step()
+        return time.perf_counter() - t0
 
     def tensor_bytes():
         return sum(engine.memory_breakdown()["total"].values())
-    return step, tensor_bytes
+    return step, tensor_bytes, engine.optimizer.optimizer
+
+
+class UpdateClock:
+    """Seconds the base optimizer spends in step(), the update alone (its step hooks)."""
+
+    def __init__(self, opt):
+        self.total, self.t0 = 0.0, 0.0
+        opt.register_step_pre_hook(self._start)
+        opt.register_step_post_hook(self._stop)
+
+    def _start(self, opt, args, kwargs):
+        self.t0 = time.perf_counter()
+
+    def _stop(self, opt, args, kwargs):
+        self.total += time.perf_counter() - self.t0
+
+    def take(self) -> float:
+        t, self.total = self.total, 0.0
+        return t
 
 
 def worker(rank: int, name: str, args, port: int, queue) -> None:
@@ -156,25 +188,28 @@ def worker(rank: int, name: str, args, port: int, queue) -> None:
     baseline = rss_mib()
     model = build_model(args.block)
     if name == "ddp":
-        step, tensor_bytes = ddp_trainer(model)
+        step, tensor_bytes, optimizer = ddp_trainer(model)
     elif name == "fsdp2":
-        step, tensor_bytes = fsdp2_trainer(model)
+        step, tensor_bytes, optimizer = fsdp2_trainer(model)
     else:
-        step, tensor_bytes = zero_trainer(model, name, args.batch)
+        step, tensor_bytes, optimizer = zero_trainer(model, name, args.batch)
     gen = torch.Generator().manual_seed(100 + rank)  # the same batches for every configuration
-    times = []
+    clock = UpdateClock(optimizer)
+    times, opt_times, updates = [], [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             agreements = zero_fetch.agreements()
         x = torch.randint(0, 256, (args.batch, args.block + 1), generator=gen)
         dist.barrier()
         t0 = time.perf_counter()
-        step(x[:, :-1], x[:, 1:])
+        opt_times.append(step(x[:, :-1], x[:, 1:]))
         times.append(time.perf_counter() - t0)
+        updates.append(clock.take())
     # the slower rank's time, step by step
-    timed = torch.tensor(times[args.warmup:], dtype=torch.float64)
+    timed = torch.tensor([times[args.warmup:], opt_times[args.warmup:], updates[args.warmup:]], dtype=torch.float64)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
-    queue.put({"rank": rank, "times": timed.tolist(), "rss": rss_mib(), "baseline": baseline,
+    queue.put({"rank": rank, "times": timed[0].tolist(), "opt_times": timed[1].tolist(), "updates": timed[2].tolist(),
+               "rss": rss_mib(), "baseline": baseline, "optimizer": type(optimizer).__name__,
                "tensors": tensor_bytes(), "params": count_params(model),
                "agreements": (zero_fetch.agreements() - agreements) / args.steps})
     dist.destroy_process_group()
@@ -184,6 +219,9 @@ def run_config(name: str, args):
     results = sorted(spawn_ranks(worker, (name, args), WORLD, args.timeout, name, results=WORLD),
                      key=lambda r: r["rank"])
     return {"step": statistics.median(results[0]["times"]), "best": min(results[0]["times"]),
+            "opt": statistics.median(results[0]["opt_times"]), "opt_best": min(results[0]["opt_times"]),
+            "update": statistics.median(results[0]["updates"]), "update_best": min(results[0]["updates"]),
+            "optimizer": results[0]["optimizer"],
             "rss": [r["rss"] for r in results], "baseline": [r["baseline"] for r in results],
             "tensors": [r["tensors"] for r in results], "params": results[0]["params"],
             "agreements": results[0]["agreements"]}
@@ -195,11 +233,13 @@ def print_table(rows, args) -> None:
     print(f"\nCPU gloo, {WORLD} ranks, 1 thread each; GPT {params / 1e6:.1f}M params fp32, AdamW, clip 1.0; "
           f"{args.batch} x {args.block} tokens per rank per step; best and median of {args.steps} timed "
           f"steps after {args.warmup} warm-up")
-    head = ["config", "step time (s): best (median)", "ratio vs DDP", "peak RSS MiB per rank", "tensor MiB per rank",
-            "ratio vs DDP"]
+    head = ["config", "optimizer", "step (s): best (median)", "vs DDP", "optimizer phase (s)", "vs DDP",
+            "update (s)", "vs DDP", "peak RSS MiB per rank", "tensor MiB per rank", "vs DDP"]
     body = []
     for name, r in rows.items():
-        body.append([name, f"{r['best']:.3f} ({r['step']:.3f})", f"{r['best'] / ref['best']:.2f}",
+        body.append([name, r["optimizer"], f"{r['best']:.3f} ({r['step']:.3f})", f"{r['best'] / ref['best']:.2f}",
+                     f"{r['opt_best']:.3f} ({r['opt']:.3f})", f"{r['opt_best'] / ref['opt_best']:.2f}",
+                     f"{r['update_best']:.3f} ({r['update']:.3f})", f"{r['update_best'] / ref['update_best']:.2f}",
                      " / ".join(f"{x:.0f}" for x in r["rss"]),
                      " / ".join(f"{x / MiB:.1f}" for x in r["tensors"]),
                      f"{max(r['tensors']) / max(ref['tensors']):.2f}"])
@@ -218,9 +258,10 @@ notes:
 - per rank = rank 0 / rank 1. Peak RSS includes the interpreter with torch and zero_ext imported
   ({base:.0f} MiB before the model is built) and each step's transient tensors (activations, autograd's
   gradients, the optimizer's temporaries), which tensor MiB does not count.
-- tensor MiB: zero_ext's engine.memory_breakdown() total; DDP's params + grads + AdamW state (DDP runs with
-  gradient_as_bucket_view=True, so its buckets are the grads). Unsharded fp32 Adam is 16 bytes/param =
-  {16 * params / MiB:.1f} MiB.
+- tensor MiB, after the last step: zero_ext's engine.memory_breakdown() total; DDP's params + grads + AdamW
+  state (DDP runs with gradient_as_bucket_view=True, so its buckets are the grads). Unsharded fp32 Adam is
+  16 bytes/param = {16 * params / MiB:.1f} MiB.
+- optimizer: the base optimizer's class (CPUAdam: zero_ext's C kernel; AdamW: torch.optim's).
 - buckets: DDP's 25 MiB; zero_ext reduce/allgather_bucket_size {BUCKET:,} elements (the same 25 MiB in fp32);
   overlap_comm is DeepSpeed's default (off) except in z2-overlap, which alternates two bucket buffers.
 - on gloo, stage 2's reduce-to-owner is one dist.reduce per owner per bucket, and stage 1 emulates

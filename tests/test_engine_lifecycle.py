@@ -169,7 +169,7 @@ def _create_destroy_cycles(stage, offload, cycles):
         engine.step()
         swap_dir = opt.nvme.swapper.dir.path if opt.nvme is not None else None
         watched = [weakref.ref(engine), weakref.ref(opt), weakref.ref(opt.optimizer)]
-        watched += [weakref.ref(g.grad) for g in opt.flat_groups]
+        watched += [weakref.ref(g.grad) for g in opt.flat_groups if g.grad is not None]  # (stage 2 frees it at step)
         watched += [weakref.ref(t) for s in opt.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
         # a master that is not the parameters' own storage (bf16, offload) must go too
         watched += [weakref.ref(g.master) for g in opt.flat_groups if g.master.data_ptr() != g.flat.data_ptr()]

@@ -15,16 +15,18 @@ BUCKET = 100
 def _expected(stage, dtype, world, psi, frozen_bytes, buffer_bytes, bucket_numel, overlap, point):
     lp = 2 if dtype == "bf16" else 4
     shard = psi // world if stage in (1, 2) else psi  # stage 3: psi is already this rank's pieces
+    # stage 2 frees the fp32 gradient partition and the buckets after the step (the next backward makes them)
+    freed = stage == 2 and point.startswith("after step")
     exp = {
         "params": lp * psi + frozen_bytes,  # stage 3: pieces, and the frozen parameters' pieces
         "grads": lp * psi if stage < 2 else 0,  # stages 2/3: freed as their buckets are reduced
         # fp32 masters and fp32 gradient partitions alias the model's own tensors in fp32 (stages 0/1)
         "fp32_master": 0 if dtype == "fp32" else 4 * shard,
-        "fp32_grads": 0 if dtype == "fp32" and stage < 2 else 4 * shard,
+        "fp32_grads": 0 if (dtype == "fp32" and stage < 2) or freed else 4 * shard,
         "optimizer_state": 8 * shard,  # Adam: exp_avg + exp_avg_sq in fp32
         # stage 3's buckets live only while they are reduced
         # (one rank reduces nothing: its gradients go straight into the fp32 partition, no bucket)
-        "comm_buffers": lp * bucket_numel * (2 if overlap else 1) if stage == 2 and world > 1 else 0,
+        "comm_buffers": lp * bucket_numel * (2 if overlap else 1) if stage == 2 and world > 1 and not freed else 0,
         "buffers": buffer_bytes,
     }
     return exp
@@ -100,3 +102,36 @@ def test_stage_2_frees_gradients_and_shards_what_stage_0_replicates():
     # half the Adam state per rank, up to the padding of each group to a multiple of 2N
     assert 0 <= 2 * z2["optimizer_state"]["accelerator"] - z0["optimizer_state"]["accelerator"] <= 8 * 4 * 2
     assert z2["total"]["accelerator"] < z0["total"]["accelerator"]
+
+
+def _stage_2_through_accumulation(dtype):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+              "bf16": {"enabled": dtype == "bf16"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2, "reduce_bucket_size": BUCKET}}
+    engine, opt, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(), config=config)
+    gen = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    points = []
+    for micro in range(4):
+        engine.backward(engine.module.loss(MLP.batch(2, gen, dt)))
+        engine.step()
+        table = engine.memory_breakdown()
+        points.append((table["fp32_grads"]["accelerator"], table["comm_buffers"]["accelerator"]))
+    psi = sum(g.padded for g in opt.flat_groups)
+    bucket_numel = opt.reducer.buffer_numel
+    engine.destroy()
+    return points, psi, bucket_numel
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_stage_2_keeps_its_gradient_partition_while_accumulating_and_frees_it_after_the_step(dtype):
+    lp = 2 if dtype == "bf16" else 4
+    for points, psi, bucket_numel in run_ranks(2, _stage_2_through_accumulation, dtype):
+        held = (4 * psi // 2, lp * bucket_numel)  # the fp32 partition 4 psi / N, one bucket buffer
+        # micro steps 0 and 2 end inside the accumulation, 1 and 3 at its boundary (the step applied)
+        assert points == [held, (0, 0), held, (0, 0)]

@@ -1,8 +1,11 @@
 """The engine against plain single-process PyTorch: ZeRO stages 0-2, fp32 and bf16, 1/2/4 ranks.
 
 The reference runs the same model on the same global batch, split the same way (rank r gets chunk r),
-averaging the ranks' mean losses, with torch.optim.AdamW (fp32) or a hand-written fp32-master loop
-(bf16). Option grids are covered pairwise (see CASES) rather than as a full product.
+averaging the ranks' mean losses, with the AdamW implementation the engine runs for the config's AdamW
+on CPU tensors — zero_ext's C kernel, CPUAdam (the same optimizer implementation, ../shared/TESTING.md;
+the kernel against torch.optim.AdamW is test_ops_cpu_adam.py's, the engine's torch_adam path against it
+test_optim_native_step.py's) — on the parameters (fp32) or in a hand-written fp32-master loop (bf16).
+Option grids are covered pairwise (see CASES) rather than as a full product.
 
 Tolerances (../shared/TESTING.md):
 - fp32, 1 rank: bit-exact (no clipping, so no norm is rounded differently).
@@ -128,11 +131,18 @@ def _train_engine(case):
 
 # -- the references -------------------------------------------------------------------------------------
 
+def _adamw(groups):
+    """The engine's AdamW for CPU tensors (optim/factory.py), with the config's hyperparameters."""
+    from zero_ext.ops.adam import CPUAdam
+
+    return CPUAdam(groups, lr=LR, weight_decay=0.01)
+
+
 def _reference_fp32(case):
     stage, dtype, world, gas, model_name, clip, opts = case
     model = _new_model(model_name)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(model.param_groups(), lr=LR, weight_decay=0.01, foreach=False)
+    opt = _adamw(model.param_groups())
     losses = [[] for _ in range(world)]
     for step in _batches(case):
         for micro in step:
@@ -161,7 +171,7 @@ def _reference_bf16(case):
     for g in model.param_groups():
         ids = {id(p) for p in g["params"]}
         groups.append({**g, "params": [master[n] for n in names if id(lp[n]) in ids]})
-    opt = torch.optim.AdamW(groups, lr=LR, weight_decay=0.01, foreach=False)
+    opt = _adamw(groups)
     losses = [[] for _ in range(world)]
     for step in _batches(case):
         grads = {n: torch.zeros_like(master[n]) for n in names}

@@ -5,7 +5,7 @@ Parity: each case trains the same model three times in the same processes —
   steps it fused (unscale + clip + Adam + 16-bit copy-out in one pass) on host masters;
 - SAME_KERNEL: no offload, the client passes CPUAdam — the same C arithmetic on the same values, so
   the two must agree bit for bit (losses, parameters, fp32 masters, Adam state, skipped steps);
-- TORCH: no offload, torch.optim.AdamW — the C kernel equals torch's up to torch's own vectorised sqrt
+- TORCH: no offload, torch.optim.AdamW (torch_adam) — the C kernel equals torch's up to torch's own vectorised sqrt
   (1 ulp, see csrc/cpu_adam.c), so fp32 agrees within 1e-6 (|p| + lr) per step, stated as 1e-5 over
   the run; 16-bit runs agree within their dtype's bound (test_engine_parity.py's argument).
 Cases cover stage x dtype x world x accumulation pairwise, plus offload_param and ratio 0.5 at stage 3.
@@ -79,11 +79,13 @@ def _train(case, mode):
     if mode == "same_kernel":
         optimizer = lambda groups: CPUAdam(groups, lr=LR, weight_decay=0.01)  # noqa: E731
     else:
-        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": mode == "torch"}}
     engine, opt, _, _ = zero_ext.initialize(model=model, optimizer=optimizer, config=cfg,
                                             model_parameters=model.parameters())
     if mode == "offload":
         assert type(opt.optimizer).__name__ == "CPUAdam", "offload must build the C optimizer"
+    if mode == "torch":
+        assert type(opt.optimizer) is torch.optim.AdamW, "torch_adam must keep torch's AdamW"
     losses = train(engine, _batches(case), rank)
     masters = fp32_masters(engine)
     states = {n: (safe_get_full_optimizer_state(p, "exp_avg"), safe_get_full_optimizer_state(p, "exp_avg_sq"))

@@ -1,7 +1,8 @@
-"""safe_get / safe_set (zero_ext.utils) against the single-process reference, stages 0-3, with and
-without ZeRO-Offload (offload_optimizer cpu: the state lives in host memory; the engine steps it with
-the C CPUAdam, which agrees with torch's AdamW within 1e-6 (|p| + lr) per step, so offloaded runs are
-compared within the N-rank tolerance even at N=1; "nvme" keeps them in swap files)."""
+"""safe_get / safe_set (zero_ext.utils) against the single-process reference (torch.optim.AdamW), stages
+0-3, with and without ZeRO-Offload. Without offload the config sets torch_adam, so the engine steps with
+torch's AdamW too and N=1 is bit-exact. With offload_optimizer cpu the state lives in host memory and the
+engine steps it with the C CPUAdam, which agrees with torch's AdamW within 1e-6 (|p| + lr) per step, so
+offloaded runs are compared within the N-rank tolerance even at N=1; "nvme" keeps them in swap files."""
 import tempfile
 
 import pytest
@@ -20,7 +21,7 @@ OFFLOAD_CASES = [(1, 2, 1, True), (2, 4, 2, True), (2, 1, 1, True), (3, 2, 2, Tr
 
 def _config(stage, gas, offload=False):
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1}},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": not offload}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 40,
                                   **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}}
     if offload == "nvme":  # ZeRO-Infinity: masters and Adam state in swap files under the temporary directory

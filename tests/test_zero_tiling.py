@@ -41,8 +41,9 @@ def _tiled_model():
 def _train_tiled_at_stage3():
     import zero_ext
 
+    # torch_adam: the reference's torch.optim.AdamW, so one rank agrees bit for bit
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                     # one tile's weight and bias (16 + 4 elements): no prefetching or
                                     # keeping for reuse beyond that, the memory bound tiles are for

@@ -4,8 +4,8 @@
 
 1. places the model: stage 3 partitions it and installs the fetch/release hooks (``zero.ZeroModel``),
    stages 0-2 move it to the device and dtype and broadcast rank 0's values;
-2. makes the base optimizer (the client's, or the config's: torch's, or the C one with optimizer
-   offload) and checks it;
+2. makes the base optimizer (the client's, or the config's: the C one for host tensors — optimizer
+   offload or a CPU run — else torch's; see optim/factory.py) and checks it;
 3. with ``offload_param.device = "nvme"`` opens the store of the 16-bit pieces;
 4. builds the ZeRO optimizer: flat groups (stages 0-2) or shard sub-groups (stage 3), the gradient
    reducer, the loss scaler; with ``offload_optimizer.device = "nvme"`` its state store;
@@ -34,8 +34,8 @@ from .nvme.pieces import NVMePieces
 from .nvme.store import NVMeStateStore
 from .nvme.swap_dir import check_nvme_path
 from .offload.plan import OffloadPlan
-from .optim.factory import (build_offload_optimizer, build_optimizer, check_client_optimizer,
-                            check_client_params, check_zero_optimizer, is_cpu_optimizer)
+from .optim.factory import (build_optimizer, check_client_optimizer, check_client_params, check_zero_optimizer,
+                            is_cpu_optimizer)
 from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import scaler_from_config
@@ -201,9 +201,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
     if optimizer is None and cfg.optimizer is None:
         return None  # a forward-only engine (e.g. a reference model)
     if optimizer is None:
-        # with optimizer offload the engine builds the C optimizer itself (DeepSpeed's rule)
-        base = (build_offload_optimizer(cfg.optimizer, groups) if plan.optimizer else None) \
-            or build_optimizer(cfg.optimizer, groups)
+        # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
+        base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer))
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         check_client_params(model, base)

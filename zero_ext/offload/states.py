@@ -64,8 +64,8 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
         elif kind == OffloadStateTypeEnum.lp_grads:
             if g.lp_grad is not None:
                 out.append(g.lp_grad)
-            if g.lp_grad is None or g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
-                out.append(g.grad)
+            if g.grad is not None and (g.lp_grad is None or g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr()):
+                out.append(g.grad)  # (stage 2 holds none between steps)
     if kind == OffloadStateTypeEnum.lp_params and getattr(engine, "nvme_pieces", None) is not None:
         return []  # offload_param nvme: the pieces live in swap files, not on the accelerator
     if kind == OffloadStateTypeEnum.lp_params:

@@ -1,18 +1,22 @@
 """The base optimizer: built from the config's ``optimizer`` section, or checked when it is the client's.
 
-- :func:`build_optimizer`: without optimizer offload, a torch optimizer. Adam and AdamW follow
-  DeepSpeed: type "Adam" decouples weight decay (AdamW) unless ``adam_w_mode: false``; both run as
-  torch.optim.Adam(W). Other torch.optim names build that class with the given params; Lion is the C
-  CPULion.
-- :func:`build_offload_optimizer`: with optimizer offload the engine builds the C optimizer itself
-  (CPUAdam, CPUAdagrad, CPULion), as DeepSpeed does; :func:`check_client_optimizer` is DeepSpeed's
-  rule for a client optimizer with offload (``zero_force_ds_cpu_optimizer``).
+:func:`build_optimizer` picks the implementation by where the tensors it steps live:
+- host tensors (optimizer offload, or a CPU run): the C optimizer of zero_ext.ops for Adam/AdamW
+  (CPUAdam), Adagrad (CPUAdagrad) and Lion (CPULion), as DeepSpeed builds its CPU ops with offload.
+  ``torch_adam: true`` keeps torch.optim.Adam(W) (DeepSpeed's key), and so does an Adagrad section that
+  gives a torch-only argument (lr_decay, initial_accumulator_value, ...) the kernel does not have.
+- accelerator tensors: torch.optim. Adam and AdamW follow DeepSpeed: type "Adam" decouples weight decay
+  (AdamW) unless ``adam_w_mode: false``. Other torch.optim names build that class with the given params;
+  Lion has only the C kernel, so it refuses accelerator tensors.
+:func:`check_client_optimizer` is DeepSpeed's rule for a client optimizer with offload
+(``zero_force_ds_cpu_optimizer``).
 """
 from typing import Any, Dict, List, Optional
 
 import torch
 
 from ..config import ConfigError
+from ..config.optim_params import ADAGRAD_TORCH_ONLY
 from ..ops._optimizer import CPUOptimizer
 from ..ops.adagrad import CPUAdagrad
 from ..ops.adam import CPUAdam
@@ -23,24 +27,49 @@ _TORCH_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", 
                     "differentiable", "fused")
 
 
-def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
-    """The torch optimizer the config's ``optimizer`` section asks for, over ``param_groups``."""
+def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool = False) -> torch.optim.Optimizer:
+    """The optimizer the config's ``optimizer`` section asks for, over ``param_groups``; ``offloaded``:
+    the engine steps host copies of them (optimizer offload), wherever the parameters are."""
+    on_host = offloaded or all(p.device.type == "cpu" for g in param_groups for p in g["params"])
+    base = _c_optimizer(opt_cfg, param_groups) if on_host else None
+    return base if base is not None else _torch_optimizer(opt_cfg, param_groups)
+
+
+def _c_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[CPUOptimizer]:
+    """zero_ext's C optimizer for the section, or None when the section asks for torch's (``torch_adam``,
+    a torch-only Adagrad argument, another torch.optim class)."""
+    params = opt_cfg.params_with_defaults()
+    if opt_cfg.is_adam:
+        if params.get("torch_adam"):
+            return None
+        return CPUAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
+                       betas=tuple(params["betas"]), eps=params["eps"], weight_decay=params["weight_decay"],
+                       adamw_mode=opt_cfg.adam_w_mode, fp32_optimizer_states=params["fp32_optimizer_states"])
+    if opt_cfg.type == "adagrad":
+        if any(k in params for k in ADAGRAD_TORCH_ONLY):
+            return None
+        return CPUAdagrad(param_groups, **params)
+    if opt_cfg.type == "lion":
+        return CPULion(param_groups, **params)
+    return None
+
+
+def _torch_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
     # DeepSpeed's defaults where the config is silent (its Adam decays 0.0; torch's AdamW 0.01)
     params = opt_cfg.params_with_defaults()
-    if opt_cfg.type in ("adam", "adamw"):
+    if opt_cfg.is_adam:
         if params.get("bias_correction", True) is False:
-            raise ConfigError("optimizer.params.bias_correction = false is not implemented by zero_ext yet "
-                              "(torch's Adam always corrects bias); remove the key")
+            raise ConfigError("optimizer.params.bias_correction = false is not implemented by torch.optim's Adam "
+                              "(it always corrects bias); remove the key, or drop torch_adam to use zero_ext's "
+                              "CPU Adam, which takes it")
         cls = torch.optim.AdamW if opt_cfg.adam_w_mode else torch.optim.Adam
         kwargs = {k: params[k] for k in _TORCH_ADAM_KEYS if k in params and params[k] is not None}
         if "betas" in kwargs:
             kwargs["betas"] = tuple(kwargs["betas"])
         return cls(param_groups, **kwargs)
     if opt_cfg.type == "lion":
-        if any(p.is_cuda for g in param_groups for p in g["params"]):
-            raise ConfigError("optimizer.type = 'Lion' on CUDA tensors is not implemented by zero_ext yet (its C "
-                              "Lion runs on CPU tensors); use AdamW, or train on CPU")
-        return CPULion(param_groups, **params)
+        raise ConfigError("optimizer.type = 'Lion' on accelerator tensors is not implemented by zero_ext yet "
+                          "(its C Lion runs on CPU tensors); use AdamW, offload the optimizer, or train on CPU")
     name = {"adagrad": "Adagrad"}.get(opt_cfg.type, opt_cfg.type)
     cls = getattr(torch.optim, name, None)
     if cls is None:
@@ -54,24 +83,6 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.
 
 # Optimizers that step host tensors in C (their class names; DeepSpeed's aliases included).
 CPU_OPTIMIZERS = ("CPUAdam", "DeepSpeedCPUAdam", "CPUAdagrad", "DeepSpeedCPUAdagrad", "CPULion", "DeepSpeedCPULion")
-
-
-def build_offload_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[torch.optim.Optimizer]:
-    """The C optimizer for the config's ``optimizer`` section when the optimizer is offloaded, or
-    None when the section asks for one zero_ext runs with torch (``torch_adam``, other torch.optim
-    classes: they then step the host tensors)."""
-    params = opt_cfg.params_with_defaults()
-    if opt_cfg.is_adam:
-        if params.get("torch_adam"):
-            return None
-        return CPUAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
-                       betas=tuple(params["betas"]), eps=params["eps"], weight_decay=params["weight_decay"],
-                       adamw_mode=opt_cfg.adam_w_mode, fp32_optimizer_states=params["fp32_optimizer_states"])
-    if opt_cfg.type == "adagrad":
-        return CPUAdagrad(param_groups, **params)
-    if opt_cfg.type == "lion":
-        return CPULion(param_groups, **params)
-    return None
 
 
 def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: bool) -> None:

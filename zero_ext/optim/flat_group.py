@@ -8,6 +8,8 @@
   When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
   the parameters directly, and fp32 training holds no second copy of its partition.
 - ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
+  Stage 2 frees it after an applied step and makes it again, zeroed, when the next backward's first
+  bucket lands (``free_grad`` / ``ensure_grad``): between steps it would only hold zeros.
 - With optimizer offload (``host``, offload/plan.py) ``master`` and ``grad`` are host-memory tensors of their
   own — never views of ``flat`` — and the step writes the new values back into ``flat``.
 - ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
@@ -62,6 +64,18 @@ class FlatGroup:
         self.master.grad = self.grad
         self.host = host
 
+    def free_grad(self) -> None:
+        """Drops the fp32 gradient partition (stage 2, after the step); ``ensure_grad`` makes it again."""
+        self.grad = None
+        self.master.grad = None
+
+    def ensure_grad(self) -> torch.Tensor:
+        """The fp32 gradient partition, made (zeroed) if ``free_grad`` dropped it."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.part, dtype=torch.float32, device=self.flat.device)
+            self.master.grad = self.grad
+        return self.grad
+
     def attach_lp_grads(self) -> None:
         """Points every parameter's ``.grad`` at its slice of ``lp_grad`` (autograd adds in place)."""
         for p, off, n in zip(self.params, self.offsets, self.numels):
@@ -99,5 +113,5 @@ class FlatGroup:
         out = [("params", self.flat)]
         if self.lp_grad is not None:
             out.append(("grads", self.lp_grad))
-        # listed after what they may alias (fp32 models): an alias adds no bytes
-        return out + [("fp32_master", self.master), ("fp32_grads", self.grad)]
+        out.append(("fp32_master", self.master))  # listed after what it may alias (fp32 models): no bytes
+        return out + ([("fp32_grads", self.grad)] if self.grad is not None else [])

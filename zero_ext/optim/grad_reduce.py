@@ -10,7 +10,9 @@
   to that owner alone (``dist.reduce``): every element crosses the network once, to the one rank that
   needs it. With ``overlap_comm`` the reductions are asynchronous and two bucket buffers alternate;
   they are waited on at the end of backward. The parameters' ``.grad`` is freed as soon as its bucket
-  is copied, so after backward a rank holds only its fp32 partition plus the buckets.
+  is copied, so after backward a rank holds only its fp32 partition plus the buckets; after the step
+  both go too (the next backward makes them again), unless the optimizer is offloaded, whose host
+  partitions are pinned and kept.
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -193,6 +195,23 @@ class BucketReducer(StreamingReducer):
             for i, p in enumerate(g.params):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(gi, i)))
 
+    def reduce(self, world: int) -> None:
+        super().reduce(world)
+        for g in self.groups:  # a group that got no gradient this step steps on zeros, as before
+            g.ensure_grad()
+
+    def after_step(self) -> None:
+        """The fp32 gradient partitions and the bucket buffers hold nothing the next backward needs: they
+        go, and its first buckets make them again. Offloaded partitions (pinned host memory, slow to
+        make) are kept and zeroed."""
+        self.free_buffers()
+        self.next_buffer = 0
+        for g in self.groups:
+            if g.offloaded:
+                g.grad.zero_()
+            else:
+                g.free_grad()
+
     # -- backward ---------------------------------------------------------------------------------
 
     def _hook(self, gi: int, i: int):
@@ -242,8 +261,9 @@ class BucketReducer(StreamingReducer):
         if self.world == 1:  # nothing to reduce: straight from each gradient into the fp32 partition
             for gi, i in members:
                 grad = self.groups[gi].params[i].grad.reshape(-1)
+                part = self.groups[gi].ensure_grad()
                 for _, poff, partoff, length in self.runs[(gi, i)]:
-                    accumulate(self.groups[gi].grad[partoff:partoff + length], grad[poff:poff + length], 1.0)
+                    accumulate(part[partoff:partoff + length], grad[poff:poff + length], 1.0)
                 self.groups[gi].params[i].grad = None
             return
         # owner-major layout: each rank's runs back to back, ranks in order
@@ -284,7 +304,7 @@ class BucketReducer(StreamingReducer):
                 h.wait()
         post = self.avg.post if self.world > 1 else 1.0
         for gi, partoff, length in mine:
-            accumulate(self.groups[gi].grad[partoff:partoff + length], buf[pos:pos + length], post)
+            accumulate(self.groups[gi].ensure_grad()[partoff:partoff + length], buf[pos:pos + length], post)
             pos += length
         self.pending = [e for e in self.pending if e is not entry]
 
