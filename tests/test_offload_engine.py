@@ -6,8 +6,11 @@ Parity: each case trains the same model three times in the same processes —
 - SAME_KERNEL: no offload, the client passes CPUAdam — the same C arithmetic on the same values, so
   the two must agree bit for bit (losses, parameters, fp32 masters, Adam state, skipped steps);
 - TORCH: no offload, torch.optim.AdamW (torch_adam) — the C kernel equals torch's up to torch's own vectorised sqrt
-  (1 ulp, see csrc/cpu_adam.c), so fp32 agrees within 1e-6 (|p| + lr) per step, stated as 1e-5 over
-  the run; 16-bit runs agree within their dtype's bound (test_engine_parity.py's argument).
+  (1 ulp, see csrc/cpu_adam.c), so fp32 agrees within 1e-5 |p| + 1e-4 lr per element over the run
+  (Adam divides by sqrt(v): where v is tiny, as for attention key weights, a 1-ulp difference grows;
+  measured at most 9.1e-7 on one element of |p| = 0.035, z2-fp32-n2-gpt) and within 1e-6 relative
+  L2 per tensor (measured <= 2.6e-7); 16-bit runs agree within their dtype's bound
+  (test_engine_parity.py's argument).
 Cases cover stage x dtype x world x accumulation pairwise, plus offload_param and ratio 0.5 at stage 3.
 """
 import pytest
@@ -117,10 +120,13 @@ def test_offload_matches_the_same_kernel_bit_for_bit_and_torch_within_bound(case
         assert off[4] == same[4] == ref[4]
         if dtype == "fp16":
             assert off[4] >= 1, "the fp16 case must exercise a skipped step"
-        rel, absolute = (1e-5, 1e-5 * LR) if dtype == "fp32" else (2 ** -6, 2 * STEPS * LR)
+        rel, absolute = (1e-5, 1e-4 * LR) if dtype == "fp32" else (2 ** -6, 2 * STEPS * LR)
         for n, p in off[1].items():
             excess = ((p - ref[1][n]).abs() - (rel * ref[1][n].abs() + absolute)).max().item()
             assert excess <= 0, f"rank {rank}: {n} differs from torch's AdamW by {excess:.3g} beyond the bound"
+            if dtype == "fp32":
+                l2 = ((p - ref[1][n]).norm() / ref[1][n].norm().clamp_min(1e-30)).item()
+                assert l2 <= 1e-6, f"rank {rank}: {n} differs from torch's AdamW by {l2:.3g} relative L2"
 
         # placement: the offloaded optimizer holds nothing on the accelerator
         acc = {kind: tiers["accelerator"] for kind, tiers in off[5].items()}
