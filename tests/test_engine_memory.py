@@ -121,7 +121,8 @@ def _stage_2_through_accumulation(dtype):
         engine.backward(engine.module.loss(MLP.batch(2, gen, dt)))
         engine.step()
         table = engine.memory_breakdown()
-        points.append((table["fp32_grads"]["accelerator"], table["comm_buffers"]["accelerator"]))
+        points.append((table["fp32_grads"]["accelerator"],
+                       table["comm_buffers"]["accelerator"] - _transport_share(engine.world_size)))
     psi = sum(g.padded for g in opt.flat_groups)
     bucket_numel = opt.reducer.buffer_numel
     engine.destroy()

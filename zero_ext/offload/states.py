@@ -42,13 +42,24 @@ class OffloadStateTypeEnum(str, Enum):
 
 
 def _move(t: torch.Tensor, device, pin: bool, non_blocking: bool) -> None:
-    """Moves t's data to device, keeping the tensor object (and so every reference to it)."""
+    """Moves t's data to device, keeping the tensor object (and so every reference to it). To the host
+    the copy lands straight in a pinned tensor (a copy issued non_blocking into pageable memory, then
+    pinned, would read it before the copy finished)."""
     if t.device == torch.device(device):
         return
-    new = t.data.to(device, non_blocking=non_blocking)
-    if pin and new.device.type == "cpu" and torch.cuda.is_available():
-        new = new.pin_memory()
+    if torch.device(device).type == "cpu":
+        new = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and torch.cuda.is_available())
+        new.copy_(t.data, non_blocking=non_blocking and new.is_pinned())
+    else:
+        new = t.data.to(device, non_blocking=non_blocking)
     t.data = new
+
+
+def _settle(non_blocking: bool) -> None:
+    """Copies issued non_blocking finish before the call returns: the host reads the offloaded tensors,
+    and the sources of reloads (freed with the old data) must not be reused mid-copy."""
+    if non_blocking and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
 
 
 def _kind_tensors(engine, kind: OffloadStateTypeEnum):
@@ -116,6 +127,7 @@ def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDev
             for t in _kind_tensors(engine, kind):
                 _move(t, "cpu", pin_memory, non_blocking)
         engine.mark_offloaded(kind)
+    _settle(non_blocking)
     _repoint(engine)
 
 
@@ -128,6 +140,7 @@ def reload_states(engine, non_blocking: bool = False) -> None:
                 if id(t) not in home_is_host:
                     _move(t, engine.device, False, non_blocking)
         engine.mark_offloaded(kind, parked=False)
+    _settle(non_blocking)
     _repoint(engine)
     if had_params and engine.zero_model is not None:
         engine.zero_model.refresh_persistent()  # stage 3: persistent parameters whole again
