@@ -6,7 +6,8 @@ A partitioned parameter's ``data`` is an empty tensor, so ``p.normal_()``, ``p.d
 the user would train the model they did not mean to build. While a parameter is partitioned its
 Python class is a subclass of its own class whose ``__torch_function__`` raises PartitionedWriteError,
 naming the parameter, on any in-place write to it or to its ``.data`` (which it hands out as a guarded
-alias for that reason); every other call runs as before. The parameter object stays the user's
+alias for that reason), and on ``p.data = value`` with a non-empty value; every other call runs as
+before. The parameter object stays the user's
 (``isinstance(p, nn.Parameter)``, identity, hooks), and gathering swaps the class back, so a gathered
 parameter -- every parameter a forward or backward computes with -- goes through no Python at all:
 the guard costs one class assignment per gather and per release, and Python only on calls that reach a
@@ -42,11 +43,14 @@ class PartitionedWriteError(RuntimeError):
 def write_target(func, args, kwargs) -> Optional[object]:
     """What ``func(*args, **kwargs)`` writes into in place: a tensor, a list of tensors, or None.
     In-place methods (``x.normal_()``, ``x[i] = v``, ``x += y``) and ``torch.nn.init`` functions write
-    their first argument; any function writes its ``out=``."""
+    their first argument; any function writes its ``out=``; ``x.data = value`` writes ``x`` when the
+    value is not empty (``model.to(device)`` sets empty data on partitioned parameters)."""
     out = kwargs.get("out") if kwargs else None
     if out is not None:
         return out
     name = getattr(func, "__name__", "")
+    if name == "__set__" and getattr(func, "__self__", None) is _DATA:
+        return args[0] if len(args) == 2 and args[1].numel() else None
     if name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__")
                                     and name not in _METADATA_INPLACE):
         if args:
