@@ -160,13 +160,13 @@ def _guard():
             "nn.init.zeros_": _refused(lambda: nn.init.zeros_(b)),
             "setitem": _refused(lambda: w.__setitem__(0, 1.0)),
             "iadd": _refused(lambda: w.__iadd__(1.0)),
-            "out=": _refused(lambda: torch.add(other, 1, out=w.data)),
             "data=": _refused(lambda: setattr(w, "data", other)),
-            "foreach": _refused(lambda: torch._foreach_add_([w.data, b.data], 1.0)),
+            "nn.init.trunc_normal_": _refused(lambda: nn.init.trunc_normal_(b)),
         }
     allowed = {}
     w.requires_grad_(False)  # metadata, not values
     allowed["requires_grad_"] = w.requires_grad is False
+    model.to("cpu")  # sets empty data
     allowed["reads"] = (tuple(w.shape), w.dtype, tuple(w.detach().shape))
     other.copy_(torch.ones(3, 4))
     allowed["copy_into_another"] = float(other.sum())

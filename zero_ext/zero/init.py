@@ -57,7 +57,7 @@ from ..config import load_config
 from ..nvme.pieces import NVMePieces
 from ..nvme.store import NVMeStateStore
 from ..nvme.swap_dir import check_nvme_path
-from . import convert, internal
+from . import convert, guard, internal
 from .materialise import Materialiser
 from .param import is_zero_param, zero_param_of
 
@@ -172,8 +172,10 @@ class _InitSession:
         self.handles = [register_module_parameter_registration_hook(self._on_parameter),
                         register_module_buffer_registration_hook(self._on_buffer)]
         self.mode.__enter__()
+        guard.init_opened(True)
 
     def close(self, flush: bool) -> None:
+        guard.init_opened(False)
         self.mode.__exit__(None, None, None)
         try:
             self.materialiser.finish(ok=flush)
