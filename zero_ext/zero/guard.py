@@ -66,7 +66,7 @@ def _refuse(what: str, name: str) -> None:
 
 def _name_of(t) -> str:
     owner = getattr(t, "_zero_owner", None)
-    return owner.name if owner is not None else getattr(t, "_zero_alias_of", "?")
+    return owner.name if owner is not None else getattr(t, "partitioned_param_name", "?")
 
 
 def _refusing(name: str, original: Callable) -> Callable:
@@ -83,7 +83,7 @@ def _data_get(self):
     if _passes():
         return data
     alias = data.as_subclass(PartitionedData)
-    alias._zero_alias_of = _name_of(self)
+    alias.partitioned_param_name = _name_of(self)
     return alias
 
 

@@ -320,7 +320,7 @@ class ZeroParam:
 
     def register_update_hook(self, hook: Callable[["ZeroParam"], None]) -> RemovableHandle:
         """``hook(zero_param)`` runs after the piece was overwritten from a modified full value
-        (GatheredParameters with a ``modifier_rank``, Module.apply under zero.Init): the place where the
+        (GatheredParameters with a ``modifier_rank``, a write under zero.Init): the place where the
         engine's fp32 master copy of the piece follows."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook
