@@ -243,8 +243,7 @@ class _InitSession:
             if param is None or is_zero_param(param):
                 continue
             if param.is_meta:  # no values to cut yet (skip_init builds on the meta device, then to_empty)
-                if not final:
-                    keep.append(entry)
+                keep.append(entry)  # (still there at Init's exit: left as it is, like a with block that raised)
                 continue
             if final or (entry.anchor is not None and id(entry.anchor) not in alive):
                 module = entry.module()

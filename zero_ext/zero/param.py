@@ -29,9 +29,9 @@ its ``[Note: FSDP and autograd]``). Reading such a view while the storage is fre
 (it can segfault), so only views zero_ext knows will be refilled may outlive a resize: those of the
 module hooks. Where user code may keep a view -- ``t = p.detach().cpu()`` (on the CPU, the same
 storage) or ``p.detach().numpy()`` inside GatheredParameters or zero.Init, which call
-``expect_views()`` -- partitioning counts the storage's references, and when anything beyond
-``_padded`` and ``_full`` holds it, leaves it to its views (they keep the gathered values) and lets
-the next gather allocate anew; so does storage torch cannot resize (a numpy array of it). The
+``expect_views()`` -- partitioning drops its references to the storage instead of resizing it: the
+views keep it and the gathered values (or, with none left, it is freed at once), and the next gather
+allocates anew; so does storage torch cannot resize (a numpy array of it). The
 all-gather writes straight into ``_padded`` (one parameter) or is copied out into it (several, see
 collectives.py), so there is one allocation per gather and nothing to trim.
 """
@@ -196,7 +196,7 @@ class ZeroParam:
 
     def expect_views(self) -> None:
         """Code outside zero_ext may keep views of the gathered value (GatheredParameters, zero.Init):
-        the next partitioning leaves a viewed storage to its views instead of freeing it."""
+        the next partitioning leaves the storage to them instead of freeing it under them."""
         self._views_possible = True
 
     def _partition_data(self) -> None:
@@ -214,12 +214,10 @@ class ZeroParam:
         """Free the gathered storage, or leave it to the tensors still viewing it (see [Note: freeing
         gathered storage])."""
         storage = self._padded.untyped_storage()
-        # our references: _padded, _full and the wrapper just made
-        viewed = self._views_possible and torch._C._storage_Use_Count(storage._cdata) > 3
-        if storage.resizable() and not viewed:
+        if storage.resizable() and not self._views_possible:
             storage.resize_(0)
-        else:  # viewed, or memory torch cannot resize (a numpy array of it, p.detach().numpy())
-            self._padded = self._full = None  # the views keep the values; the next gather allocates anew
+        else:  # maybe viewed, or memory torch cannot resize (a numpy array of it, p.detach().numpy())
+            self._padded = self._full = None  # views keep the values, or it is freed; the next gather allocates
 
     def await_gather(self, gather) -> None:
         """INFLIGHT: ``gather`` (fetch.py) is the collective filling the storage; to_gathered ends it."""
