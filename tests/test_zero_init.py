@@ -139,22 +139,25 @@ def _apply(config):
     with zero.Init(config_dict_or_path=config):
         model = Parent()
     pieces = {n: p.ds_tensor.tolist() for n, p in model.named_parameters()}
-    model.apply(Parent._init)  # outside Init: not gathered, so fn sees empty tensors and changes nothing
+    try:  # outside Init the pieces are empty tensors: writing to them is refused
+        model.apply(Parent._init)
+        refused = ""
+    except zero.PartitionedWriteError as exc:
+        refused = str(exc)
     after = {n: p.ds_tensor.tolist() for n, p in model.named_parameters()}
-    return pieces, after
+    return pieces, after, refused
 
 
 @pytest.mark.parametrize("override", [True, False])
-def test_module_apply_gathers_when_override_module_apply(override):
+def test_module_apply_in_a_parent_constructor_keeps_rank0_writes(override):
+    # override_module_apply no longer matters: the writes reach the full parameters either way
     config = {"zero_optimization": {"stage": 3, "override_module_apply": override}}
-    for r, (pieces, after) in enumerate(run_ranks(2, _apply, config)):
+    for r, (pieces, after, refused) in enumerate(run_ranks(2, _apply, config)):
         assert after == pieces
-        # still pending while the parent's constructor ran: rank 0's value (3 elements: rank 1 has a pad)
+        # rank 0's values (3 elements: rank 1 has a pad)
         assert pieces["own"] == ([1.0, 1.0] if r == 0 else [1.0, 0.0])
-        if override:
-            assert pieces["child.weight"] == [1.0] * 6 and pieces["child.bias"] == ([-1.0] if r == 0 else [0.0])
-        else:  # children were partitioned: fill_ reached empty tensors, their random init stays
-            assert pieces["child.weight"] != [1.0] * 6
+        assert pieces["child.weight"] == [1.0] * 6 and pieces["child.bias"] == ([-1.0] if r == 0 else [0.0])
+        assert "fill_" in refused and "Linear.weight" in refused and "GatheredParameters" in refused
 
 
 # -- torch left as it was --------------------------------------------------------------------------------
@@ -192,7 +195,7 @@ def _unpatched():
 
 def test_torch_is_unpatched_after_init():
     unpatched, changed_inside, modes_inside, hooks_inside = run_ranks(2, _unpatched)[0]
-    assert changed_inside == ["Module.apply"]  # the one entry of init.PATCHES, while Init is active
+    assert changed_inside == []  # Init patches nothing, even while active
     assert modes_inside == 1 and hooks_inside
     assert unpatched
 
@@ -296,7 +299,8 @@ def _deepcopy_under_init():
     with zero.Init():
         model = Cloner(nn.Linear(3, 2))
         lin = nn.Linear(3, 3)
-        first_use = lin.weight.numel()  # the first torch call after the constructor sees it partitioned
+        # the first torch call after the constructor partitions it; under Init it still sees 3 x 3
+        first_use = (lin.weight.numel(), zero.is_zero_param(lin.weight))
     plain = [n for n, p in model.named_parameters() if not zero.is_zero_param(p)]
     ids = [p.ds_id for p in model.parameters()]
     return (same_tensors({n: p.detach() for n, p in ref.named_parameters()}, full_values(model)), plain,
@@ -305,13 +309,16 @@ def _deepcopy_under_init():
 
 def test_deepcopy_of_modules_under_construction():
     for differ, plain, unique_ids, first_use in run_ranks(2, _deepcopy_under_init):
-        assert differ == [] and plain == [] and unique_ids and first_use == 0
+        assert differ == [] and plain == [] and unique_ids and first_use == (9, True)
 
 
 class _Session:  # what the construction mode reads from an Init session
+    from zero_ext.zero.materialise import Materialiser
+
     device = torch.device("meta")
     dtype = torch.bfloat16
     pending = []
+    materialiser = Materialiser()
 
 
 def test_construction_mode_places_new_tensors_and_casts_floats():

@@ -31,6 +31,17 @@ class Tall(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(D, D) for _ in range(LAYERS)])
 
 
+class TallPostInit(Tall):
+    """Initialises every finished layer again at the end of its constructor, as transformers'
+    post_init does: each write gathers one parameter, which is partitioned again before the next."""
+
+    def __init__(self):
+        super().__init__()
+        for layer in self.layers:
+            nn.init.xavier_uniform_(layer.weight)
+            layer.bias.data.zero_()
+
+
 def _status(key: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -39,7 +50,7 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def _peak_during_init():
+def _peak_during_init(cls):
     import ctypes
 
     import zero_ext.zero as zero
@@ -52,7 +63,7 @@ def _peak_during_init():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     with zero.Init():
-        model = Tall()
+        model = cls()
     peak = _status("VmHWM") - base
     share = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
     full = sum(p.ds_numel * 4 for p in model.parameters())
@@ -61,17 +72,18 @@ def _peak_during_init():
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    plain = Tall()
+    plain = cls()
     plain_peak = _status("VmHWM") - base
     del plain
     return peak, share, full, largest, plain_peak
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux only)")
-def test_peak_memory_while_constructing_under_init():
+@pytest.mark.parametrize("cls", [Tall, TallPostInit], ids=["construction", "writes after partitioning"])
+def test_peak_memory_while_constructing_under_init(cls):
     pool = WorkerPool(WORLD)
     try:
-        results = pool.run(_peak_during_init, timeout=120)
+        results = pool.run(_peak_during_init, (cls,), timeout=120)
     finally:
         pool.close()
     for r, (peak, share, full, largest, plain_peak) in enumerate(results):

@@ -134,7 +134,7 @@ class ZeroConfig(ConfigModel):
     pipeline_loading_checkpoint: bool = option(
         False, "Load checkpoints one local rank at a time (stage 3 only).")
     override_module_apply: bool = option(
-        True, "zero.Init gathers parameters around nn.Module.apply (custom init functions).",
+        True, "Accepted; zero.Init needs no Module.apply patch (writes after partitioning are exact).",
         stage3_only=True)
     log_trace_cache_warnings: bool = option(
         False, "Log when the recorded parameter-fetch trace is invalidated.", stage3_only=True)

@@ -9,11 +9,12 @@
 
 Files, one noun each (docs/zero3.md has the design):
 - status.py: the enums (ZeroParamStatus, TrainingPhase, FetchKind, TraceState).
-- param.py: ZeroParam, the one owner of a partitioned parameter.
+- param.py: ZeroParam, the one owner of a partitioned parameter; guard.py: the class a partitioned
+  parameter takes, which refuses in-place writes (PartitionedWriteError).
 - collectives.py: the gathers and scatters, as free functions.
 - fetch.py: fetch/release and the fetch-order agreement between ranks.
 - convert.py: whole -> partitioned (zero.Init, ZeroModel).
-- init.py: zero.Init.
+- init.py: zero.Init; materialise.py: its torch calls on the full value of partitioned parameters.
 - model.py: ZeroModel, the layer installed on one model.
 - hooks.py: the per-module forward/backward hooks.
 - coordinator.py: prefetch along the recorded fetch order; trace.py: that order (FetchEvent, Trace);
@@ -28,6 +29,7 @@ from .convert import partition_module
 from .external import register_external_parameter, unregister_external_parameter
 from .fetch import FetchOrderError
 from .gathered import GatheredParameters
+from .guard import PartitionedWriteError
 from .init import Init
 from .model import ZeroModel
 from .param import ZeroParam, is_zero_param, zero_param_of
@@ -41,5 +43,5 @@ __all__ = [
     "Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
     "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter",
+    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError",
 ]

@@ -88,8 +88,13 @@ def partition_module(module: torch.nn.Module, group=None, remote_device=None, pi
             for name, b in list(m.named_buffers(recurse=False)):
                 if b.device != device:
                     setattr(m, name, b.to(device))  # Module.__setattr__ keeps it a buffer
-    unique = list({id(p): p for p in module.parameters()}.values())
-    return partition_params(unique, group, remote_device, pin_memory)
+    names = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    converted = partition_params([p for p in module.parameters()], group, remote_device, pin_memory)
+    for zp in converted:
+        zp.rename(names[id(zp.param)])  # (ZeroModel renames too, from its root)
+    return converted
 
 
 def check_single_rank_group(group) -> None:

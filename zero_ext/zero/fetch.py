@@ -39,7 +39,8 @@ _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of"
               FetchKind.EXTERNAL: "a parameter used in the forward of", FetchKind.GATHERED: "GatheredParameters",
               FetchKind.PERSIST: "persistent parameters of", FetchKind.PARTITION: "partitioning (zero.Init)",
               FetchKind.PREFETCH: "prefetch (along the recorded trace) starting at",
-              FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace"}
+              FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace",
+              FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters"}
 
 
 class FetchOrderError(RuntimeError):

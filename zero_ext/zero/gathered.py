@@ -8,7 +8,7 @@
 
 Collective: every rank of the parameters' groups must enter and leave together.
 """
-from typing import Iterable, List, Optional, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
@@ -17,6 +17,17 @@ from .external import register_external_parameter
 from .fetch import FetchSite, fetch, release
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind
+
+
+def adopt_values_of(group_rank: int, params: Sequence[ZeroParam]) -> None:
+    """Each gathered parameter's full value becomes its value on ``group_rank`` (a replaced
+    ``param.data`` included), every rank keeps its part as its piece and the update hooks run.
+    Collective."""
+    with internal.section(), torch.no_grad():
+        for zp in params:
+            zp.adopt_replaced_data()
+            collectives.broadcast(zp.full, group_rank, zp.group)
+            zp.write_back()
 
 
 class GatheredParameters:
@@ -59,6 +70,8 @@ class GatheredParameters:
                 raise RuntimeError(f"Nested GatheredParameters contexts cannot overlap parameters: "
                                    f"{zp.name} is already gathered by an enclosing GatheredParameters")
         fetch(self.params, self, FetchSite(FetchKind.GATHERED))
+        for zp in self.params:
+            zp.expect_views()  # the block may keep views of the values (t = p.detach().numpy())
         return None
 
     def __exit__(self, exc_type, exc, tb):
@@ -66,11 +79,7 @@ class GatheredParameters:
         # the others waiting in it
         try:
             if self.modifier_rank is not None:
-                with internal.section(), torch.no_grad():
-                    for zp in self.params:
-                        zp.adopt_replaced_data()
-                        collectives.broadcast(zp.full, self.modifier_rank, zp.group)
-                        zp.write_back()
+                adopt_values_of(self.modifier_rank, self.params)
         finally:
             release(self.params, self)
         return False

@@ -30,17 +30,18 @@ learn when a constructor returns. zero_ext watches construction through document
   block) are partitioned when the outermost Init exits.
 
 A constructor's own edits, and a subclass ``__init__`` editing what its base class registered, happen
-before partitioning, since the anchor's ``__init__`` is still running. The one thing that cannot be
-intercepted without a patch is ``Module.apply`` called on already-partitioned children (HF's
-``post_init`` does this): with ``override_module_apply`` (the default) Init patches
-``torch.nn.Module.apply`` -- the only patch, listed in PATCHES and restored when the outermost Init
-exits -- so that ``fn`` runs on each module with its own parameters gathered, and rank 0's result is
-kept (GatheredParameters with ``modifier_rank=0``).
+before partitioning, since the anchor's ``__init__`` is still running. Everything that touches a
+parameter after it was partitioned -- a parent's ``self.apply(init_fn)`` or ``nn.init`` call,
+transformers' ``post_init``, code in the ``with`` block -- is run by the same mode on the full value,
+exactly as the plain constructor would (materialise.py, [Note: exact initialisation under zero.Init]).
+Init patches nothing in torch (``override_module_apply`` is accepted and has nothing left to switch).
+Modules built with ``torch.nn.utils.skip_init`` are made on the meta device and given fresh
+parameters by ``to_empty``, outside the registration hooks: a pending parameter on the meta device
+waits, and the one that replaced it in its module is partitioned in its place.
 """
 import contextlib
 import functools
 import sys
-import types
 import warnings
 import weakref
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -56,8 +57,8 @@ from ..config import load_config
 from ..nvme.pieces import NVMePieces
 from ..nvme.store import NVMeStateStore
 from ..nvme.swap_dir import check_nvme_path
-from . import convert, internal
-from .gathered import GatheredParameters
+from . import convert, guard, internal
+from .materialise import Materialiser
 from .param import is_zero_param, zero_param_of
 
 _ACTIVE: Optional["_InitSession"] = None  # the outermost active Init's state
@@ -73,58 +74,6 @@ _FACTORIES = _DEVICE_FACTORIES | frozenset([
     torch.randint_like, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
     torch.Tensor.new_full, torch.Tensor.new_tensor,
 ])
-
-
-# -- the patch table ----------------------------------------------------------------------------------
-
-_GATHERING = weakref.WeakSet()  # the wrappers _gather_around made (a wrapped fn is not wrapped again)
-
-def _gather_around(fn: Callable) -> Callable:
-    """``fn(module)`` with the module's own ZeRO-3 parameters gathered, rank 0's result kept."""
-    if isinstance(fn, types.FunctionType) and fn in _GATHERING:  # (other callables may not hash)
-        return fn
-
-    @functools.wraps(fn)
-    def gathering(module):
-        params = [p for p in module.parameters(recurse=False) if is_zero_param(p)]
-        if not params:
-            return fn(module)
-        with GatheredParameters(params, modifier_rank=0):
-            return fn(module)
-
-    _GATHERING.add(gathering)
-    return gathering
-
-
-def _make_apply(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def apply(self, fn):
-        return original(self, _gather_around(fn))
-    return apply
-
-
-#: Every attribute of torch that zero.Init replaces: (owner, attribute, replacement factory taking the
-#: original). Applied when the outermost Init is entered, restored when it exits.
-PATCHES: List[Tuple[object, str, Callable[[Callable], Callable]]] = [
-    (torch.nn.Module, "apply", _make_apply),
-]
-
-
-class _PatchTable:
-    def __init__(self, entries):
-        self.entries = entries
-        self.saved: List[Tuple[object, str, object]] = []
-
-    def apply(self) -> None:
-        for owner, name, make in self.entries:
-            original = owner.__dict__[name]
-            self.saved.append((owner, name, original))
-            setattr(owner, name, make(original))
-
-    def restore(self) -> None:
-        while self.saved:
-            owner, name, original = self.saved.pop()
-            setattr(owner, name, original)
 
 
 # -- construction tracking ----------------------------------------------------------------------------
@@ -147,6 +96,22 @@ def constructing_modules() -> List[torch.nn.Module]:
 class _Pending(NamedTuple):
     param: "weakref.ref[torch.nn.Parameter]"
     anchor: Optional[torch.nn.Module]  # the module whose constructor must return first (None: Init's exit)
+    module: "weakref.ref[torch.nn.Module]"  # where it was registered, under ``name``
+    name: str
+
+    def current(self) -> Optional[torch.nn.Parameter]:
+        """The parameter, or the one that replaced it in its module without being registered again:
+        ``Module._apply`` puts a new Parameter in ``_parameters`` when the device changes kind, as
+        ``skip_init``'s ``to_empty`` does to a module built on the meta device."""
+        param, module = self.param(), self.module()
+        if module is not None:
+            now = module._parameters.get(self.name)
+            if now is not None and now is not param and not is_zero_param(now):
+                return now
+        return param
+
+
+_NOT_REACHED = Materialiser.NOT_REACHED
 
 
 class _ConstructionMode(TorchFunctionMode):
@@ -161,12 +126,13 @@ class _ConstructionMode(TorchFunctionMode):
         session = self.session
         if session.pending:
             session.flush(final=False)
-        if func not in _FACTORIES:
-            return func(*args, **kwargs)
-        if func in _DEVICE_FACTORIES and kwargs.get("device") is None and session.device.type != "cpu":
+        factory = func in _FACTORIES
+        if factory and func in _DEVICE_FACTORIES and kwargs.get("device") is None and session.device.type != "cpu":
             kwargs = dict(kwargs, device=session.device)
-        result = func(*args, **kwargs)
-        if (session.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point()
+        result = session.materialiser.call(func, args, kwargs)  # [Note: exact initialisation under zero.Init]
+        if result is _NOT_REACHED:
+            result = func(*args, **kwargs)
+        if (factory and session.dtype is not None and isinstance(result, torch.Tensor) and result.is_floating_point()
                 and result.dtype != session.dtype):
             result = result.to(session.dtype)
         return result
@@ -198,26 +164,27 @@ class _InitSession:
         self.nvme = init.nvme  # remote_device "nvme": the pieces go to swap files as they are made
         self.depth = 0  # nested Init contexts inside this one
         self.pending: List[_Pending] = []
+        self.materialiser = Materialiser()
         self.mode = _ConstructionMode(self)
-        self.patches = _PatchTable(PATCHES if init.override_module_apply else [])
         self.handles = []
 
     def open(self) -> None:
         self.handles = [register_module_parameter_registration_hook(self._on_parameter),
                         register_module_buffer_registration_hook(self._on_buffer)]
-        self.patches.apply()
         self.mode.__enter__()
+        guard.init_opened(True)
 
     def close(self, flush: bool) -> None:
+        guard.init_opened(False)
         self.mode.__exit__(None, None, None)
         try:
+            self.materialiser.finish(ok=flush)
             if flush:
                 self.flush(final=True)
         finally:
             for handle in self.handles:
                 handle.remove()
             self.handles = []
-            self.patches.restore()
             for entry in self.pending:  # left whole (the with block raised): drop our deepcopy hook
                 param = entry.param()
                 if param is not None and "__deepcopy__" in vars(param):
@@ -229,7 +196,7 @@ class _InitSession:
             return None
         modules = constructing_modules()
         ref = weakref.ref(param)
-        self.pending.append(_Pending(ref, modules[0] if modules else None))
+        self.pending.append(_Pending(ref, modules[0] if modules else None, weakref.ref(module), name))
         param.__deepcopy__ = functools.partial(self._deepcopy_pending, ref)  # replaced by ZeroParam's
         return None
 
@@ -254,20 +221,37 @@ class _InitSession:
         """Partition the pending parameters whose anchor's constructor has returned (all when final)."""
         if not self.pending or internal.active():
             return
+        with internal.section():  # (the checks below are torch calls: the mode must not see them)
+            ready = self._take_ready(final)
+        if not ready:
+            return
+        with torch.profiler.record_function("zero_ext::init_partition"):
+            converted = convert.partition_params([param for param, _ in ready], self.group, self.remote_device,
+                                                 self.pin_memory)
+        labels = {id(param): label for param, label in ready}
+        for zp in converted:
+            zp.rename(labels[id(zp.param)])
+            if self.nvme is not None:
+                self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
+
+    def _take_ready(self, final: bool) -> List[Tuple[torch.nn.Parameter, str]]:
+        """The pending parameters to partition now, each with a name for messages ("Linear.weight")."""
         alive = set() if final else {id(m) for m in constructing_modules()}
         ready, keep = [], []
         for entry in self.pending:
-            done = final or (entry.anchor is not None and id(entry.anchor) not in alive)
-            (ready if done else keep).append(entry)
-        if not ready:
-            return
+            param = entry.current()
+            if param is None or is_zero_param(param):
+                continue
+            if param.is_meta:  # no values to cut yet (skip_init builds on the meta device, then to_empty)
+                keep.append(entry)  # (still there at Init's exit: left as it is, like a with block that raised)
+                continue
+            if final or (entry.anchor is not None and id(entry.anchor) not in alive):
+                module = entry.module()
+                ready.append((param, f"{type(module).__name__}.{entry.name}" if module is not None else entry.name))
+            else:
+                keep.append(entry)
         self.pending = keep
-        params = [p for p in (entry.param() for entry in ready) if p is not None]
-        with torch.profiler.record_function("zero_ext::init_partition"):
-            converted = convert.partition_params(params, self.group, self.remote_device, self.pin_memory)
-        if self.nvme is not None:
-            for zp in converted:
-                self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
+        return ready
 
 
 # -- the public context ----------------------------------------------------------------------------
@@ -286,7 +270,8 @@ class Init(contextlib.ContextDecorator):
       host memory released; ``initialize`` moves the trainable ones into the engine's sub-group files.
     - ``config_dict_or_path`` (``config``: deprecated spelling): a DeepSpeed config; its
       ``zero_optimization.offload_param`` decides ``remote_device``/``pin_memory``,
-      ``override_module_apply`` the Module.apply patch, and ``bf16``/``fp16`` the dtype (else float32).
+      and ``bf16``/``fp16`` the dtype (else float32); ``override_module_apply`` is accepted (writes
+      after partitioning are exact without a Module.apply patch).
     - ``dtype``: cast new floating-point tensors to it (half, bfloat16 or float32). Without a config
       and a dtype, tensors keep torch's default dtype (DeepSpeed picks fp16 on accelerators).
     - ``mem_efficient_linear``: accepted; zero_ext never keeps gathered weights alive for backward

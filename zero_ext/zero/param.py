@@ -23,13 +23,17 @@ Gathering makes ``param.data`` that view; partitioning sets ``param.data`` to an
 resizes ``_padded``'s storage to zero bytes. The second step matters: autograd saves views of weights
 (``F.linear`` saves ``weight.t()``), and those views would otherwise keep every gathered weight alive
 from forward until backward -- the reason DeepSpeed replaces ``F.linear`` (its "memory efficient
-linear"). Freeing the storage itself releases the memory while the views stay valid objects; the
+linear"). Freeing the storage itself releases the memory while the views stay objects; the
 pre-backward hook re-gathers into the same storage before any of them is read (FSDP2 does the same:
-its ``[Note: FSDP and autograd]``). Reading such a view while partitioned raises a RuntimeError
-("setStorage: ... requiring a storage size"), never reads freed memory. The all-gather writes straight
-into ``_padded`` (one parameter) or is copied out into it (several, see collectives.py), so there is
-one allocation per gather and nothing to trim. Storage torch cannot resize (a numpy array made of the
-gathered value inside GatheredParameters) is left to the array, and the next gather allocates anew.
+its ``[Note: FSDP and autograd]``). Reading such a view while the storage is freed reads freed memory
+(it can segfault), so only views zero_ext knows will be refilled may outlive a resize: those of the
+module hooks. Where user code may keep a view -- ``t = p.detach().cpu()`` (on the CPU, the same
+storage) or ``p.detach().numpy()`` inside GatheredParameters or zero.Init, which call
+``expect_views()`` -- partitioning drops its references to the storage instead of resizing it: the
+views keep it and the gathered values (or, with none left, it is freed at once), and the next gather
+allocates anew; so does storage torch cannot resize (a numpy array of it). The
+all-gather writes straight into ``_padded`` (one parameter) or is copied out into it (several, see
+collectives.py), so there is one allocation per gather and nothing to trim.
 """
 import contextlib
 import weakref
@@ -40,6 +44,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .._native import planner
+from .guard import guarded_class
 from .status import ZeroParamStatus
 
 #: ds_id of the next parameter converted in this process (DeepSpeed numbers parameters in construction
@@ -115,6 +120,9 @@ class ZeroParam:
         self.pending_gather = None  # while INFLIGHT: the collective filling the storage (fetch.py waits on it)
         self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
         self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme/pieces.py, NVMePieces)
+        self.plain_class = type(param)  # while gathered; guarded_class while partitioned (guard.py)
+        self.guarded_class = guarded_class(self.plain_class)
+        self._views_possible = False  # see [Note: freeing gathered storage]
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
@@ -152,7 +160,7 @@ class ZeroParam:
         (``world * shard_numel`` elements) for the all-gather to fill."""
         self._check_facade()
         self._assert_status(ZeroParamStatus.NOT_AVAILABLE)
-        nbytes = self.world * self.shard_numel * self.param.element_size()
+        nbytes = self.world * self.shard_numel * self.dtype.itemsize
         if self._padded is None:
             self._padded = torch.empty(self.world * self.shard_numel, dtype=self.dtype, device=self.compute_device)
             self._full = self._padded[: self.numel].view(self.shape)
@@ -170,6 +178,7 @@ class ZeroParam:
         view."""
         self._check_facade()
         self._assert_status(ZeroParamStatus.INFLIGHT)
+        self.param.__class__ = self.plain_class
         self.param.data = self._full
         self.status = ZeroParamStatus.AVAILABLE
         self.pending_gather = None
@@ -185,18 +194,30 @@ class ZeroParam:
                                f"{self.describe_holders()}")
         self._partition_data()
 
+    def expect_views(self) -> None:
+        """Code outside zero_ext may keep views of the gathered value (GatheredParameters, zero.Init):
+        the next partitioning leaves the storage to them instead of freeing it under them."""
+        self._views_possible = True
+
     def _partition_data(self) -> None:
         if self.meter is not None and not self.persist and self.status is not ZeroParamStatus.NOT_AVAILABLE:
             self.meter.sub(self.numel)
         self.param.data = torch.empty(0, dtype=self.dtype, device=self.compute_device)
+        self.param.__class__ = self.guarded_class
         if self._padded is not None:
-            storage = self._padded.untyped_storage()
-            if storage.resizable():
-                storage.resize_(0)  # see [Note: freeing gathered storage]
-            else:  # shared with memory torch cannot resize (a numpy array of it, p.detach().numpy()):
-                self._padded = self._full = None  # leave it to its holder; the next gather allocates anew
+            self._free_storage()
+        self._views_possible = False
         self.status = ZeroParamStatus.NOT_AVAILABLE
         self._publish()
+
+    def _free_storage(self) -> None:
+        """Free the gathered storage, or leave it to the tensors still viewing it (see [Note: freeing
+        gathered storage])."""
+        storage = self._padded.untyped_storage()
+        if storage.resizable() and not self._views_possible:
+            storage.resize_(0)
+        else:  # maybe viewed, or memory torch cannot resize (a numpy array of it, p.detach().numpy())
+            self._padded = self._full = None  # views keep the values, or it is freed; the next gather allocates
 
     def await_gather(self, gather) -> None:
         """INFLIGHT: ``gather`` (fetch.py) is the collective filling the storage; to_gathered ends it."""
@@ -285,9 +306,10 @@ class ZeroParam:
             raise RuntimeError(f"ZeRO-3 parameter {self.name} cannot be made whole while in use by "
                                f"{self.describe_holders()}")
         p = self.param
+        p.__class__ = self.plain_class
         p.data = value.reshape(self.shape)
         if self._padded is not None:
-            self._padded.untyped_storage().resize_(0)
+            self._free_storage()
         for name in ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist", "ds_process_group",
                      "_zero_owner", "__deepcopy__"):
             p.__dict__.pop(name, None)
@@ -296,7 +318,7 @@ class ZeroParam:
 
     def register_update_hook(self, hook: Callable[["ZeroParam"], None]) -> RemovableHandle:
         """``hook(zero_param)`` runs after the piece was overwritten from a modified full value
-        (GatheredParameters with a ``modifier_rank``, Module.apply under zero.Init): the place where the
+        (GatheredParameters with a ``modifier_rank``, a write under zero.Init): the place where the
         engine's fp32 master copy of the piece follows."""
         handle = RemovableHandle(self._update_hooks)
         self._update_hooks[handle.id] = hook

@@ -51,6 +51,7 @@ class FetchKind(Enum):
     PREFETCH = 7  # gathers issued ahead of the modules that will use them (coordinator.py)
     CHECKPOINT = 8  # no gather: ranks confirm the trace events they consumed without one (coordinator.py)
     TRACE = 9  # no gather: ranks compare the trace each recorded (coordinator.py)
+    INIT = 10  # under zero.Init, a torch call reached a partitioned parameter (materialise.py)
 
 
 class TraceState(Enum):
