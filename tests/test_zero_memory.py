@@ -58,6 +58,12 @@ def _peak_during_init(cls):
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large frees go back to the kernel
     with zero.Init():  # warm up code paths and the process group's buffers
         nn.Linear(64, 64)
+    # and every page of the native transport's shared segment (in each rank's RSS once touched): an
+    # all-gather of two 4 MiB slots' worth per rank writes and reads both slot sets
+    from zero_ext import comm
+
+    n = 2 * (4 << 20) // 4
+    comm.all_gather_into(torch.empty(WORLD * n), torch.zeros(n))
     torch.manual_seed(torch.distributed.get_rank())
     base = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
