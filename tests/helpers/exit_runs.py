@@ -1,10 +1,18 @@
 """Real 2-rank jobs that end as a script ends: each rank runs ``SCRIPT ARGS`` as ``__main__`` with
 torchrun's variables and then finalizes its interpreter (atexit hooks, Py_FinalizeEx), which the
-pooled workers of harness.py never reach. Each rank is forked from a zygote (exit_zygote.py) that has
-torch imported already. ``busy(n)`` keeps n CPU-bound processes beside them: the exit race of
-docs/debugging.md ("A rank killed by SIGABRT at exit") needs a rank descheduled at the wrong moment.
+pooled workers of harness.py never reach. ``busy(n)`` keeps n CPU-bound processes beside them: the
+exit race of docs/debugging.md ("A rank killed by SIGABRT at exit") needs a rank descheduled at the
+wrong moment.
 
-    with Ranks(2) as ranks, busy(2):
+Two ways to start a rank:
+- fresh (``Ranks(2, fresh=True)``): ``python SCRIPT`` in a session of its own, as torchrun starts it.
+  This is what reproduces the race (torch alone: 9 of 20 torchrun jobs of a tight all_reduce loop; a
+  rank forked from a zygote, or started without a session of its own, hardly ever races), at the cost
+  of importing torch twice per job.
+- forked from a zygote (exit_zygote.py) that has torch imported: a second per job, for checking how
+  every ending exits (the short suite), not for counting the race.
+
+    with Ranks(2, fresh=True) as ranks, busy(2):
         job = ranks.run(EXIT_SCRIPT, ["plain", "2"])   # job.codes == [0, 0]; -6 is a SIGABRT
 """
 import contextlib
@@ -38,15 +46,15 @@ class Job:
 
 
 class Ranks:
-    """``world`` zygotes, one per rank; ``run`` forks a job on all of them at once."""
+    """``world`` ranks; ``run`` starts a job on all of them at once (see the module's docstring)."""
 
-    def __init__(self, world: int = 2):
-        self.world = world
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-        self.zygotes = [subprocess.Popen([sys.executable, os.path.join(HERE, "exit_zygote.py")], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                        for _ in range(world)]
+    def __init__(self, world: int = 2, fresh: bool = False):
+        self.world, self.fresh = world, fresh
+        self.env = dict(os.environ, OMP_NUM_THREADS="1",
+                        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+        self.zygotes = [] if fresh else [
+            subprocess.Popen([sys.executable, os.path.join(HERE, "exit_zygote.py")], env=self.env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(world)]
         self.tmp = tempfile.TemporaryDirectory(prefix="zero_ext-exit-")
 
     def __enter__(self):
@@ -62,23 +70,43 @@ class Ranks:
         """Runs ``script`` on every rank (gloo on a free localhost port); ranks still running at the
         deadline are killed."""
         port = str(free_port())
-        logs, pids = [], []
-        for rank, z in enumerate(self.zygotes):
-            logs.append(os.path.join(self.tmp.name, f"rank{rank}.err"))
-            env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
-                   "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-            z.stdin.write(json.dumps({"script": script, "args": list(args), "env": env, "stderr": logs[-1]}) + "\n")
+        logs = [os.path.join(self.tmp.name, f"rank{rank}.err") for rank in range(self.world)]
+        envs = [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world),
+                 "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+                for rank in range(self.world)]
+        start = self._fresh if self.fresh else self._forked
+        codes = start(script, list(args), envs, logs, time.monotonic() + timeout)
+        return Job(codes, [open(log).read() for log in logs])
+
+    def _fresh(self, script, args, envs, logs, deadline) -> List[int]:
+        procs = []
+        for env, log in zip(envs, logs):
+            with open(log, "w") as err:
+                procs.append(subprocess.Popen([sys.executable, script, *args], env={**self.env, **env},
+                                              stdout=subprocess.DEVNULL, stderr=err, start_new_session=True))
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                p.wait()
+        return [p.returncode for p in procs]
+
+    def _forked(self, script, args, envs, logs, deadline) -> List[int]:
+        pids = []
+        for z, env, log in zip(self.zygotes, envs, logs):
+            z.stdin.write(json.dumps({"script": script, "args": args, "env": env, "stderr": log}) + "\n")
             z.stdin.flush()
             pids.append(json.loads(z.stdout.readline())["pid"])
-        deadline = time.monotonic() + timeout
         codes = []
-        for z, pid in zip(self.zygotes, pids):
+        for z in self.zygotes:
             if not select.select([z.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                for p in pids:
+                for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(p, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
             codes.append(json.loads(z.stdout.readline())["code"])
-        return Job(codes, [open(log).read() for log in logs])
+        return codes
 
 
 @contextlib.contextmanager

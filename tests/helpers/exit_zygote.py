@@ -30,6 +30,7 @@ def _serve():
 
 def _become(request):
     """In the child: the script's stdio, environment and argv; then its code in a fresh __main__."""
+    os.setsid()  # a session of its own, as torchrun starts each rank
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)

@@ -1,13 +1,14 @@
 """Stress: how often does a 2-rank script die of a signal at exit? (docs/debugging.md, "A rank killed
-by SIGABRT at exit"). Runs tests/helpers/exit_script.py (or the torch-only reproduction) many times
-beside ``--busy`` spinning processes, cycling through endings and ZeRO stages, and counts each rank's
-exit status against the script's own. Exit status 1 if any run ended otherwise.
+by SIGABRT at exit"). Runs tests/helpers/exit_script.py (or its torch-only twin) many times, each
+rank a fresh interpreter in a session of its own as torchrun starts it, beside ``--busy`` spinning
+processes, cycling through endings and ZeRO stages; counts each rank's exit status against the
+script's own. Exit status 1 if any run ended otherwise.
 
     python3 tests/stress/exit_aborts.py --runs 200              # zero_ext scripts, every ending
-    python3 tests/stress/exit_aborts.py --runs 60 --torch-only  # plain torch + gloo, for comparison
+    python3 tests/stress/exit_aborts.py --runs 60 --torch-only  # torch + gloo alone, for comparison
 
-Outside the default suite (200 runs take most of an hour on 2 loaded cores); tests/test_comm_exit.py
-runs a short version.
+Outside the default suite (200 runs take about an hour on 2 loaded cores);
+tests/test_comm_exit_status.py runs a short version.
 """
 import argparse
 import collections
@@ -27,17 +28,19 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=2, help="spinning processes beside the ranks")
     ap.add_argument("--endings", default=",".join(ENDINGS), help="comma-separated, of: " + ", ".join(ENDINGS))
     ap.add_argument("--stages", default="1,2,3")
-    ap.add_argument("--torch-only", action="store_true", help="run the torch-only reproduction instead")
+    ap.add_argument("--torch-only", action="store_true", help="run the torch-only twin instead (endings plain, bare)")
+    ap.add_argument("--zygote", action="store_true", help="fork the ranks from a zygote (fast, but hardly races)")
     opts = ap.parse_args()
     if opts.torch_only:
-        cases = itertools.repeat((TORCH_SCRIPT, (), "torch-only", 0))
+        endings = [e for e in opts.endings.split(",") if e in ("plain", "bare")] or ["bare"]
+        cases = itertools.cycle([(TORCH_SCRIPT, (e,), f"torch-only {e}", 0) for e in endings])
     else:
         combos = [(e, s) for e in opts.endings.split(",") for s in opts.stages.split(",")]
         cases = itertools.cycle([(EXIT_SCRIPT, (e, s), f"{e} stage {s}", ENDINGS[e]) for e, s in combos])
     tally = collections.defaultdict(collections.Counter)
     bad = 0
     start = time.monotonic()
-    with Ranks(2) as ranks, busy(opts.busy):
+    with Ranks(2, fresh=not opts.zygote) as ranks, busy(opts.busy):
         for i, (script, args, label, want) in zip(range(opts.runs), cases):
             job = ranks.run(script, args)
             ok = job.codes == [want, want]
@@ -56,7 +59,8 @@ def main() -> int:
     for label, t in sorted(tally.items()):
         print(f"{label:20s} runs {t['runs']:4d}  aborts {t['aborts']:3d}  wrong status {t['wrong']:3d}")
     print(f"total: {opts.runs} runs, {aborts} with a rank killed by SIGABRT, {bad} with a status not the "
-          f"script's own ({time.monotonic() - start:.0f} s, {opts.busy} busy processes)")
+          f"script's own ({time.monotonic() - start:.0f} s, {opts.busy} busy processes, "
+          f"{'zygote' if opts.zygote else 'fresh interpreters'})")
     return 1 if bad else 0
 
 

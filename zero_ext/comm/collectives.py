@@ -8,21 +8,25 @@ names too. ``all_gather_into`` is the one that adds something: the fallback for 
 import torch
 import torch.distributed as dist
 
+from .outstanding import tracked, tracked_objects
+
+# Each goes through outstanding.run, which hands the backend aliases of the tensors and keeps them until
+# its threads let go (see [Note: the exit race] in outstanding.py).
 ReduceOp = dist.ReduceOp
-all_reduce = dist.all_reduce
-all_gather = dist.all_gather
-all_gather_into_tensor = dist.all_gather_into_tensor
-reduce_scatter = dist.reduce_scatter
-reduce_scatter_tensor = dist.reduce_scatter_tensor
-reduce = dist.reduce
-broadcast = dist.broadcast
-barrier = dist.barrier
-gather = dist.gather
-scatter = dist.scatter
-all_to_all_single = dist.all_to_all_single
-send, recv, isend, irecv = dist.send, dist.recv, dist.isend, dist.irecv
-gather_object = dist.gather_object
-all_gather_object = dist.all_gather_object
+all_reduce = tracked(dist.all_reduce)
+all_gather = tracked(dist.all_gather)
+all_gather_into_tensor = tracked(dist.all_gather_into_tensor)
+reduce_scatter = tracked(dist.reduce_scatter)
+reduce_scatter_tensor = tracked(dist.reduce_scatter_tensor)
+reduce = tracked(dist.reduce)
+broadcast = tracked(dist.broadcast)
+barrier = tracked(dist.barrier)
+gather = tracked(dist.gather)
+scatter = tracked(dist.scatter)
+all_to_all_single = tracked(dist.all_to_all_single)
+send, recv, isend, irecv = tracked(dist.send), tracked(dist.recv), tracked(dist.isend), tracked(dist.irecv)
+gather_object = tracked_objects(dist.gather_object)
+all_gather_object = tracked_objects(dist.all_gather_object)
 
 _LIST_ALLGATHER = False  # set once this backend refused all_gather_into_tensor (gloo in older torch)
 
@@ -34,13 +38,13 @@ def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group=None, async_o
     global _LIST_ALLGATHER
     if not _LIST_ALLGATHER:
         try:
-            return dist.all_gather_into_tensor(output, inp, group=group, async_op=async_op)
+            return all_gather_into_tensor(output, inp, group=group, async_op=async_op)
         except (RuntimeError, NotImplementedError, AttributeError):
             _LIST_ALLGATHER = True
     world = dist.get_world_size(group)
-    return dist.all_gather(list(output.view(world, -1).unbind(0)), inp.clone(), group=group, async_op=async_op)
+    return all_gather(list(output.view(world, -1).unbind(0)), inp.clone(), group=group, async_op=async_op)
 
 
 def all_gather_base(output_tensor, tensor, group=None, async_op=False):
     """DeepSpeed's older name of all_gather_into_tensor."""
-    return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)

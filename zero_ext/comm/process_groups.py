@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .outstanding import drain
+
 logger = logging.getLogger("zero_ext.comm")
 
 # DeepSpeed's default collective timeout since 0.19.6 (was 30 minutes): a dead rank must not hang the
@@ -151,7 +153,15 @@ def get_local_rank() -> int:
 is_initialized = dist.is_initialized
 new_group = dist.new_group
 get_process_group_ranks = dist.get_process_group_ranks
-destroy_process_group = dist.destroy_process_group
+
+
+def destroy_process_group(group=None) -> None:
+    """torch.distributed's, after the backend has let go of every tensor of zero_ext's collectives
+    (outstanding.drain; see [Note: the exit race])."""
+    drain()
+    dist.destroy_process_group(group)
+
+
 get_backend = dist.get_backend
 
 
