@@ -18,8 +18,8 @@ interpreter finalizes, and before ``zero_ext.comm.destroy_process_group``. Finis
 dropped at each new collective, so the aliases hold memory only until the next one.
 
 A completed collective whose aliases stay referenced for more than SETTLE_SECONDS is held by something
-else (a Work handle someone keeps, which then frees them on its own thread): it is no longer waited
-for, and is dropped whenever it does let go.
+else (a Work handle the caller keeps): it is no longer waited for, but its aliases stay here until
+they are let go, whenever that is (no entry is dropped before).
 """
 import atexit
 import functools
@@ -78,9 +78,12 @@ def run(fn: Callable, *args, **kwargs):
     aliases: List[torch.Tensor] = []
     args = tuple(_alias(a, aliases) for a in args)
     kwargs = {k: _alias(v, aliases) for k, v in kwargs.items()}
-    result = fn(*args, **kwargs)
-    track(result if isinstance(result, dist.Work) else None, aliases)
-    return result
+    result = None
+    try:
+        result = fn(*args, **kwargs)
+        return result
+    finally:  # (a collective that raised, e.g. for a dead peer, may still be held by the backend too)
+        track(result if isinstance(result, dist.Work) else None, aliases)
 
 
 def track(work, aliases: List[torch.Tensor]) -> None:
