@@ -199,7 +199,10 @@ class ZeroEngine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
+            comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)
+        return out
 
     def _require_alive(self, what: str) -> None:
         """Nothing runs on a destroyed engine: its hooks, optimizer state and buffers are gone (a stage-3
@@ -299,6 +302,12 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """One micro step; at the accumulation boundary also the optimizer step."""
+        try:
+            self._step(lr_kwargs)
+        finally:  # the backend threads let go of this step's tensors ([Note: the exit race], comm/outstanding.py)
+            comm.settle()
+
+    def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
         if self._no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
@@ -307,7 +316,7 @@ class ZeroEngine(torch.nn.Module):
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self._refuse_gradients_from_outside_backward()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
-                          "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=2)
+                          "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=3)
             self._step_applied = False
             return
         self._step_applied = False
@@ -547,4 +556,5 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_model is not None:
             self.zero_model.destroy()
             self.zero_model = None
+        comm.drain()  # nothing of this engine's collectives left with the backend ([Note: the exit race])
         self._advance("destroy", "engine.destroy")

@@ -6,6 +6,8 @@ Files:
 - collectives.py: the collective facade: every collective zero_ext runs (and deepspeed.comm's names),
   each routed to the native transport or to torch.distributed.
 - native.py: the native shared-memory transport (csrc/comm.h) for CPU tensors of ranks on one host.
+- outstanding.py: the tensors of torch.distributed collectives still held by its backend threads, kept
+  until they let go (``settle`` after a step, ``drain`` at exit): see [Note: the exit race] there.
 - collective_check.py: every rank must call a collective API; one that does not fails with an
   explanation instead of hanging the others.
 """
@@ -13,6 +15,7 @@ from .collectives import (ReduceOp, all_gather, all_gather_base, all_gather_coal
                           all_gather_into, all_gather_into_tensor, all_gather_object, all_gather_v, all_reduce, all_to_all_single, barrier, broadcast, gather,
                           gather_object, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor,
                           scatter, send)
+from .outstanding import drain, pending, settle  # noqa: F401
 from .process_groups import (DEFAULT_TIMEOUT_MINUTES, add_config_arguments, default_backend,  # noqa: F401
                              default_timeout, destroy_process_group, get_backend, get_global_rank,
                              get_local_rank, get_process_group_ranks, get_rank, get_world_group, get_world_size,

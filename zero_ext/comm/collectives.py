@@ -8,17 +8,26 @@ this host go through the native shared-memory communicator (native.py, csrc/comm
 lacks) through torch.distributed's backends (gloo, NCCL). Object collectives, point-to-point and
 all_to_all stay torch.distributed's.
 """
+import types
+
 import torch
 import torch.distributed as dist
 
 from . import native as _native
+from .outstanding import tracked, tracked_objects
 
+# torch.distributed's collectives, each through outstanding.run: the backend gets aliases of the
+# tensors, kept until its threads let go ([Note: the exit race] in outstanding.py). The facade's verbs
+# fall back on these; the rest are only these.
+_torch = types.SimpleNamespace(**{name: tracked(getattr(dist, name)) for name in (
+    "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
+    "broadcast", "scatter", "barrier")})
 ReduceOp = dist.ReduceOp
-gather = dist.gather
-all_to_all_single = dist.all_to_all_single
-send, recv, isend, irecv = dist.send, dist.recv, dist.isend, dist.irecv
-gather_object = dist.gather_object
-all_gather_object = dist.all_gather_object
+gather = tracked(dist.gather)
+all_to_all_single = tracked(dist.all_to_all_single)
+send, recv, isend, irecv = tracked(dist.send), tracked(dist.recv), tracked(dist.isend), tracked(dist.irecv)
+gather_object = tracked_objects(dist.gather_object)
+all_gather_object = tracked_objects(dist.all_gather_object)
 
 
 def _on_cpu(*tensors) -> bool:
@@ -36,42 +45,42 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     native = _route(group, tensor)
     if native is not None and native.reducible(tensor.dtype, op):
         return native.all_reduce(tensor, op, async_op)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _torch.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     native = _route(group, tensor)
     if native is not None and native.reducible(tensor.dtype, op):
         return native.reduce(tensor, dst, op, async_op)
-    return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+    return _torch.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
     native = _route(group, output, input)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter_tensor(output, input, op, async_op)
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _torch.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     native = _route(group, output, *input_list)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter(output, input_list, op, async_op)
-    return dist.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+    return _torch.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     native = _route(group, output_tensor, input_tensor)
     if native is not None:
         return native.all_gather_into(output_tensor, input_tensor, async_op)
-    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    return _torch.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     native = _route(group, tensor, *tensor_list)
     if native is not None:
         return native.all_gather(tensor_list, tensor, async_op)
-    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    return _torch.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
 def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=False):
@@ -115,14 +124,14 @@ def broadcast(tensor, src, group=None, async_op=False):
     native = _route(group, tensor)
     if native is not None:
         return native.broadcast(tensor, src, async_op)
-    return dist.broadcast(tensor, src, group=group, async_op=async_op)
+    return _torch.broadcast(tensor, src, group=group, async_op=async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     native = _route(group, tensor, *(scatter_list or ()))
     if native is not None:
         return native.scatter(tensor, scatter_list, src, async_op)
-    return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+    return _torch.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
@@ -130,8 +139,8 @@ def barrier(group=None, async_op=False, device_ids=None):
     if native is not None and device_ids is None:
         return native.barrier(async_op)
     if device_ids is None:
-        return dist.barrier(group=group, async_op=async_op)
-    return dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
+        return _torch.barrier(group=group, async_op=async_op)
+    return _torch.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
 _LIST_ALLGATHER = False  # set once this backend refused all_gather_into_tensor (gloo in older torch)
@@ -147,11 +156,11 @@ def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group=None, async_o
         return native.all_gather_into(output, inp, async_op)
     if not _LIST_ALLGATHER:
         try:
-            return dist.all_gather_into_tensor(output, inp, group=group, async_op=async_op)
+            return _torch.all_gather_into_tensor(output, inp, group=group, async_op=async_op)
         except (RuntimeError, NotImplementedError, AttributeError):
             _LIST_ALLGATHER = True
     world = dist.get_world_size(group)
-    return dist.all_gather(list(output.view(world, -1).unbind(0)), inp.clone(), group=group, async_op=async_op)
+    return _torch.all_gather(list(output.view(world, -1).unbind(0)), inp.clone(), group=group, async_op=async_op)
 
 
 def all_gather_base(output_tensor, tensor, group=None, async_op=False):

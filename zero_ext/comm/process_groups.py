@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .outstanding import drain
+
 logger = logging.getLogger("zero_ext.comm")
 
 # DeepSpeed's default collective timeout since 0.19.6 (was 30 minutes): a dead rank must not hang the
@@ -153,10 +155,13 @@ new_group = dist.new_group
 get_process_group_ranks = dist.get_process_group_ranks
 
 
-def destroy_process_group(group=None):
-    """torch's, after destroying the native communicators of the groups that go (all for None)."""
+def destroy_process_group(group=None) -> None:
+    """torch.distributed's, after the backend has let go of every tensor of zero_ext's collectives
+    (outstanding.drain; see [Note: the exit race]) and the native communicators of the groups that go
+    are destroyed (all for None)."""
     from . import native  # native imports this module for default_timeout
 
+    drain()
     native.destroy_all() if group is None else native.destroy_group(group)
     dist.destroy_process_group(group)
 
