@@ -3,6 +3,9 @@ file imports them as ``from helpers.harness import run_ranks`` or ``from helpers
 
 Files:
 - harness.py: ``run_ranks(n, fn, ...)``, a function on N gloo ranks through pooled worker processes.
+- exit_runs.py: real 2-rank jobs that run a script and exit (``Ranks``), and ``busy(n)`` CPU load;
+  exit_script.py (a zero_ext user's script, ending in one of several ways), exit_script_torch.py (its
+  torch-only twin), exit_zygote.py (forks ranks with torch imported).
 - models.py: the small engine-test models (MLP, TinyGPT) and ``MODELS`` by name.
 - zero3.py: ZeRO-3 parameter-layer helpers (rank, full_values, grads, same_tensors) and models.
 - planner_ref.py: a pure-Python reference of the C planner (csrc/planner.c).
