@@ -98,7 +98,9 @@ def _who_frees(n):
 
 
 def test_no_tensor_of_a_facade_collective_is_freed_on_a_backend_thread():
-    for counts in run_ranks(2, _who_frees, 100):
+    # the facade on torch.distributed (gloo), where the race lives (the native transport never hands a
+    # tensor to a backend thread)
+    for counts in run_ranks(2, _who_frees, 100, env={"ZERO_EXT_COMM": "torch"}):
         # 2 tensors a call; the backend got 7 aliases for every 5 calls, all freed here once it let go
         assert counts.get(("zero_ext", "main")) == 1000 and counts.get(("alias", "main")) == 700, counts
         assert ("zero_ext", "backend") not in counts and ("alias", "backend") not in counts, counts
