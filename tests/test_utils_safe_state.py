@@ -273,6 +273,7 @@ def _full_read_on_rank0_only(mismatch: bool):
     engine = _engine(2, 1)
     rank = torch.distributed.get_rank()
     params = [p for p in engine.module.parameters() if p.requires_grad]
+    torch.distributed.barrier()  # fresh processes start seconds apart under load: the 2 s check starts here
     if mismatch:  # every rank calls, for different parameters
         return utils.safe_get_full_fp32_param(params[rank])
     if rank == 0:
