@@ -120,8 +120,9 @@ def _join(cid, rank, world, timeout_s=30.0, slot_bytes=0):
             time.sleep(0.005)
 
 
-def _spawn(world, target, *args):
-    """Runs target(conn, rank, world, *args) on `world` forked ranks; their replies, rank by rank."""
+def _spawn(world, target, *args, expect=None):
+    """Runs target(conn, rank, world, *args) on `world` forked ranks; the replies of the first `expect`
+    (default: all; fewer where the last ranks may die without answering), rank by rank."""
     pipes, procs = [], []
     for r in range(world):
         parent, child = FORK.Pipe()
@@ -130,7 +131,7 @@ def _spawn(world, target, *args):
         pipes.append(parent)
         procs.append(p)
     replies = []
-    for conn, p in zip(pipes, procs):
+    for conn in pipes[:world if expect is None else expect]:
         if not conn.poll(120):
             raise TimeoutError("a rank did not answer")
         replies.append(conn.recv())
@@ -347,9 +348,9 @@ def _victim(conn, rank, world, cid, fault, timeout_s):
 ])
 def test_a_faulty_rank_is_named_inside_the_timeout(fault, error, limit):
     world, timeout_s = 3, 1.0
-    replies = FORK_replies = _spawn_some(world, _victim, _C.comm_unique_id(), fault, timeout_s,
+    replies = _spawn(world, _victim, _C.comm_unique_id(), fault, timeout_s,
                                          expect=world - 1 if fault == "kill" else world)
-    for rank, reply in enumerate(FORK_replies[:world - 1]):
+    for rank, reply in enumerate(replies[:world - 1]):
         assert reply[0] == "ok", reply
         name, message, took, again = reply[1]
         assert name == error, message
@@ -358,24 +359,6 @@ def test_a_faulty_rank_is_named_inside_the_timeout(fault, error, limit):
         assert again and "not run" in again, again
     if fault == "absent":
         assert replies[-1] == ("ok", "slept")
-
-
-def _spawn_some(world, target, *args, expect):
-    """_spawn where the last rank may die without answering: the first `expect` replies."""
-    pipes, procs = [], []
-    for r in range(world):
-        parent, child = FORK.Pipe()
-        p = FORK.Process(target=_rank_entry, args=(target, child, r, world) + args, daemon=True)
-        p.start()
-        pipes.append(parent)
-        procs.append(p)
-    replies = []
-    for conn in pipes[:expect]:
-        assert conn.poll(60), "a rank did not answer"
-        replies.append(conn.recv())
-    for p in procs:
-        p.join(10)
-    return replies
 
 
 RAISING_RANK = r"""
@@ -443,7 +426,7 @@ def _killed_creator(conn, rank, world, cid):
 
 def test_a_killed_runs_segment_is_reaped_by_the_next_run():
     dead = _C.comm_unique_id()
-    _spawn_some(1, _killed_creator, dead, expect=0)
+    _spawn(1, _killed_creator, dead, expect=0)
     assert _segments(dead), "the killed creator's segment should still be there"
     live = _C.comm_unique_id()
     keep = _C.Comm(live, 0, 2, 5.0)  # alive (its lock held), as old as the dead one

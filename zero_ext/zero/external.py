@@ -64,7 +64,8 @@ def external_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:
     return list(params.values()) if params else []
 
 
-def _tensor_args(args, kwargs) -> Iterator[torch.Tensor]:
+def tensor_args(args, kwargs) -> Iterator[torch.Tensor]:
+    """The tensors among a call's arguments, and inside its list / tuple arguments."""
     for group in (args, kwargs.values()):
         for a in group:
             if isinstance(a, torch.Tensor):
@@ -88,7 +89,7 @@ class ExternalUseDetector(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not internal.active() and getattr(func, "__name__", "") not in self._DESCRIPTORS:
-            for t in _tensor_args(args, kwargs):
+            for t in tensor_args(args, kwargs):
                 zp = zero_param_of(t)
                 if zp is not None:
                     self.on_use(zp)

@@ -37,6 +37,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from . import collectives, internal
+from .external import tensor_args
 from .fetch import FetchSite, check_agreement, fetch, release
 from .gathered import adopt_values_of
 from .param import ZeroParam
@@ -70,17 +71,6 @@ def _kind(func) -> str:
     return "shape" if name in _SHAPE_METHODS else "full"
 
 
-def _tensor_args(args, kwargs):
-    for group in (args, kwargs.values()):
-        for a in group:
-            if isinstance(a, torch.Tensor):
-                yield a
-            elif isinstance(a, (list, tuple)):
-                for b in a:
-                    if isinstance(b, torch.Tensor):
-                        yield b
-
-
 def _storage_refs(zp: ZeroParam) -> int:
     return torch._C._storage_Use_Count(zp.full.untyped_storage()._cdata)
 
@@ -101,7 +91,7 @@ class Materialiser:
         """Run ``func`` as the plain constructor would; returns NOT_REACHED when no ZeRO-3 parameter is
         among its arguments (the caller runs it)."""
         reached: Dict[int, ZeroParam] = {}
-        for t in _tensor_args(args, kwargs):
+        for t in tensor_args(args, kwargs):
             zp = getattr(t, "_zero_owner", None)
             if zp is not None and (zp.status is not ZeroParamStatus.AVAILABLE or id(zp) in self.held):
                 reached[id(zp)] = zp
