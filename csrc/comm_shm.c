@@ -520,6 +520,8 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 	if (rc < 0)
 		return rc;
 	moved = 0;
+	int k = 0; /* own reads come in stream order: one cursor over the segments, not a scan per read */
+	int64_t seg_at = 0;
 	for (int i = 0; i < op->nreads && !rc; i++) {
 		const struct zx_comm_read *r = &op->reads[i];
 		if (!overlap(r->off, r->len, w0, w1, &lo, &hi))
@@ -527,10 +529,10 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 		const char *src = slot(s, ctx.round, r->src) + (lo - w0);
 		char *dst = r->dst + (lo - r->off);
 		if (r->src == comm->rank) { /* own bytes: from the input itself, unless already there */
-			int64_t seg_at = 0;
-			for (int k = 0; k < op->nsegs; seg_at += op->segs[k].len, k++)
-				if (lo >= seg_at && hi <= seg_at + op->segs[k].len)
-					src = op->segs[k].ptr + (lo - seg_at);
+			while (k < op->nsegs && seg_at + op->segs[k].len <= lo)
+				seg_at += op->segs[k++].len;
+			if (k < op->nsegs && lo >= seg_at && hi <= seg_at + op->segs[k].len)
+				src = op->segs[k].ptr + (lo - seg_at);
 			if (src == dst)
 				continue;
 		}
