@@ -92,6 +92,8 @@ def _who_frees(n):
                     del t, out
         outstanding.drain()  # (the last call may still be running)
         time.sleep(0.2)  # (the backend's last releases of torch's own calls)
+        # aliases the backend still held past drain's patience (a loaded machine): kept, not freed
+        counts[("alias", "held")] = sum(len(e.aliases) for e in outstanding._entries)
     finally:
         outstanding.track = track
     return counts
@@ -102,7 +104,8 @@ def test_no_tensor_of_a_facade_collective_is_freed_on_a_backend_thread():
     # tensor to a backend thread)
     for counts in run_ranks(2, _who_frees, 100, env={"ZERO_EXT_COMM": "torch"}):
         # 2 tensors a call; the backend got 7 aliases for every 5 calls, all freed here once it let go
-        assert counts.get(("zero_ext", "main")) == 1000 and counts.get(("alias", "main")) == 700, counts
+        assert counts.get(("zero_ext", "main")) == 1000, counts
+        assert counts.get(("alias", "main"), 0) + counts[("alias", "held")] == 700, counts
         assert ("zero_ext", "backend") not in counts and ("alias", "backend") not in counts, counts
         # the control: the same calls on torch.distributed directly leave tensors to gloo's thread (the
         # async call left running nearly always; the others from 1 in 1000 to 1 in 3, with the load)
