@@ -17,7 +17,7 @@ LAYERS = [
     ("initialize",),
     ("build",),
     ("engine",),
-    ("checkpoint",),
+    ("checkpoint", "activation_checkpointing"),
     ("optim",),
     ("zero",),
     ("nvme",),

@@ -14,10 +14,11 @@ from .initialize import initialize
 from .offload.states import OffloadDeviceEnum, OffloadStateTypeEnum
 from . import utils  # noqa: F401  (zero_ext.utils.safe_get_full_grad, ... as deepspeed.utils)
 from . import zero  # noqa: F401  (zero_ext.zero.Init, GatheredParameters, ... as deepspeed.zero)
+from . import activation_checkpointing as checkpointing  # noqa: F401  (deepspeed.checkpointing)
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's name, for isinstance checks in ported code
 
 __version__ = importlib.metadata.version("zero_ext")  # pyproject.toml's, the one place it is written
 
 __all__ = ["init_distributed", "add_config_arguments", "initialize", "ZeroEngine", "DeepSpeedEngine", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum", "__version__"]
+           "OffloadStateTypeEnum", "checkpointing", "__version__"]

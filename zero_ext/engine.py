@@ -25,7 +25,7 @@ from typing import Dict, FrozenSet, List, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import comm
+from . import activation_checkpointing, comm
 from .checkpoint.engine_state import check_all_ranks_call, load_checkpoint, save_checkpoint
 from .checkpoint.files import atomic_torch_save
 from .offload import states as offload_state
@@ -408,7 +408,8 @@ class ZeroEngine(torch.nn.Module):
 
         Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
         model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
-        comm_buffers, buffers (the module's buffers). Tiers: accelerator (the compute device), host,
+        comm_buffers, buffers (the module's buffers), activations (what deepspeed.checkpointing keeps
+        of checkpointed calls' inputs until backward, this process's). Tiers: accelerator (the compute device), host,
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
@@ -424,6 +425,8 @@ class ZeroEngine(torch.nn.Module):
                 account.add("grads", p.grad)
         for b in self.module.buffers():
             account.add("buffers", b)
+        for t, tier in activation_checkpointing.held():
+            account.add("activations", t, tier=tier)
         if self.optimizer is not None and self.optimizer.nvme is not None:
             masters, states = self.optimizer.nvme_bytes()
             account.bytes["fp32_master"]["nvme"] += masters

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from . import comm
+from . import activation_checkpointing, comm
 from .build import build_engine
 from .config import ConfigError, load_config, reject_unimplemented
 from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
@@ -42,6 +42,9 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     cfg.resolve_batch(world)
     reject_unimplemented(cfg, implemented=IMPLEMENTED)
     _check_grad_accum_dtype(cfg)
+    # the section a config writes is applied (DeepSpeed reads it only in checkpointing.configure)
+    activation_checkpointing.configure_from_engine(cfg.activation_checkpointing,
+                                                   given="activation_checkpointing" in cfg.raw)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable and (optimizer is not None or cfg.optimizer is not None):

@@ -81,6 +81,26 @@ class CheckpointConfig(ConfigModel):
         return value
 
 
+class ActivationCheckpointingConfig(ConfigModel):
+    """Activation checkpointing (``deepspeed.checkpointing``): what ``checkpoint()`` keeps of each
+    checkpointed call's inputs until its recomputation in backward."""
+
+    partition_activations: bool = option(
+        False, "Keep only this rank's 1/N of each saved input, N being the model-parallel group's size "
+        "(the mpu given to checkpointing.configure; none: N = 1); backward all-gathers it.")
+    contiguous_memory_optimization: bool = option(
+        False, "Copy the kept partitions into preallocated buffers, one per input position holding "
+        "number_checkpoints partitions (needs partition_activations).")
+    number_checkpoints: Optional[Int] = option(
+        None, "Checkpointed calls per forward: the buffers' length for contiguous_memory_optimization.",
+        ge=1)
+    cpu_checkpointing: bool = option(
+        False, "Keep the saved inputs (partitions) in host memory; backward copies them back.")
+    synchronize_checkpoint_boundary: bool = option(
+        False, "Synchronize the accelerator before and after each checkpointed forward and backward.")
+    profile: bool = option(False, "Log the forward and backward time of each checkpointed call.")
+
+
 class FeatureSection(ConfigModel):
     """A DeepSpeed feature zero_ext does not implement; only ``enabled`` is read here."""
 
@@ -128,7 +148,6 @@ IGNORED_SECTIONS = {
     "model_info": "autotuner model description",
     "nebula": "Nebula checkpoint service",
     "datastates_ckpt": "DataStates asynchronous checkpointing",
-    "activation_checkpointing": "deepspeed.checkpointing (activation checkpointing API)",
     "sparse_attention": "sparse attention kernels",
     "pipeline": "pipeline-parallel engine (PipelineModule)",
     "eigenvalue": "eigenvalue computation for MoQ",

@@ -20,7 +20,7 @@ from .optim_params import adagrad_rules
 from .optimizer import NOT_WITH_ZERO, OptimizerConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
 from .scheduler import SchedulerConfig
-from .sections import (IGNORED_SECTIONS, CheckpointConfig, CompileConfig, FeatureSection,
+from .sections import (IGNORED_SECTIONS, ActivationCheckpointingConfig, CheckpointConfig, CompileConfig, FeatureSection,
                        ProgressiveLayerDropConfig, TorchAutocastConfig)
 from .zero import ZeroConfig
 
@@ -62,6 +62,8 @@ class DeepSpeedConfig(ConfigModel):
                                           default_factory=CheckpointConfig)
     data_types: DataTypesConfig = option(doc="Accumulation/parameter dtypes; see below.",
                                          default_factory=DataTypesConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = option(
+        doc="deepspeed.checkpointing's settings; see below.", default_factory=ActivationCheckpointingConfig)
     # -- gradients -------------------------------------------------------------------------------
     gradient_clipping: Float = option(
         1.0, "Clip the global gradient norm to this value; 0 disables clipping.", ge=0.0,

@@ -3,7 +3,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-KINDS = ("params", "fp32_master", "grads", "fp32_grads", "optimizer_state", "comm_buffers", "buffers")
+KINDS = ("params", "fp32_master", "grads", "fp32_grads", "optimizer_state", "comm_buffers", "buffers", "activations")
 TIERS = ("accelerator", "host", "nvme")
 
 
