@@ -53,7 +53,10 @@ def test_submodules_import_by_statement_in_a_fresh_process():
             "from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold\n"
             "from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer\n"
             "from deepspeed.comm import new_group, all_gather_into_tensor, reduce_scatter_tensor\n"
+            "from deepspeed.runtime.activation_checkpointing.checkpointing import configure, checkpoint\n"
             "import deepspeed, zero_ext\n"
+            "assert deepspeed.checkpointing.checkpoint is zero_ext.checkpointing.checkpoint is checkpoint\n"
+            "assert not deepspeed.checkpointing.is_configured() and deepspeed.checkpointing.reset() is None\n"
             "assert get_optim_files is zero_ext.checkpoint.zero_to_fp32.get_optim_files\n"
             "print(deepspeed.__file__)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([COMPAT, ROOT])}

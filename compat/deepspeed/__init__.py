@@ -33,6 +33,7 @@ from zero_ext import (DeepSpeedEngine, OffloadDeviceEnum, OffloadStateTypeEnum, 
                       add_config_arguments, init_distributed, initialize)
 
 from . import comm, zero, utils, ops, runtime, checkpoint, accelerator, moe  # noqa: E402,F401
+from .runtime.activation_checkpointing import checkpointing  # noqa: E402,F401  (DeepSpeed's deepspeed.checkpointing)
 
 zero_ext_version = _zero_ext.__version__
 
@@ -90,4 +91,4 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "ZeroEngine", "zero",
            "comm", "utils", "ops", "runtime", "checkpoint", "accelerator", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum", "tp_model_init", "moe", "__version__", "__git_hash__", "__git_branch__"]
+           "OffloadStateTypeEnum", "tp_model_init", "moe", "checkpointing", "__version__", "__git_hash__", "__git_branch__"]
