@@ -223,3 +223,61 @@ def test_comm_groups_and_all_gather_into_tensor(ds):
     assert ds.comm.new_group is zero_ext.comm.new_group is torch.distributed.new_group
     for rank, (gathered, ranks, size, grank) in enumerate(run_ranks(2, _groups_and_gather, timeout=60)):
         assert gathered == [0.0, 0.0, 1.0, 1.0] and ranks == [0, 1] and size == 2 and grank == rank
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen base linear with a trainable low-rank adapter beside it (LoRA's shape, without PEFT)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = torch.nn.Linear(8, 8)
+        self.base.requires_grad_(False)
+        self.lora_a, self.lora_b = torch.nn.Linear(8, 2, bias=False), torch.nn.Linear(2, 8, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def _save_adapted_zero3(out):
+    """Two Adam steps at ZeRO-3 on 2 ranks, a checkpoint saved; the full fp32 masters of the trained
+    parameters and the frozen ones' values, as the converter must give them back."""
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=_Adapted(), config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05}}})
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 8, generator=gen)).pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(out)
+    want = {n: zero_ext.utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()
+            if p.requires_grad}
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        want.update({n: p.detach().clone() for n, p in engine.module.named_parameters() if not p.requires_grad})
+    engine.destroy()
+    return want
+
+
+def test_peft_recovery_line_rebuilds_a_zero3_checkpoint(tmp_path):
+    """HF's and PEFT's docs recover a model from a ZeRO-3 checkpoint with
+    ``from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint`` and
+    ``model.load_state_dict``: run as written, in a fresh process with only the compat package."""
+    want = run_ranks(2, _save_adapted_zero3, str(tmp_path / "ckpt"))[0]
+    torch.save(want, tmp_path / "want.pt")
+    code = ("import sys, torch\n"
+            "from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint\n"
+            f"state_dict = get_fp32_state_dict_from_zero_checkpoint({str(tmp_path / 'ckpt')!r})\n"
+            "from test_compat_surface import _Adapted\n"
+            "model = _Adapted()\n"
+            "model.load_state_dict(state_dict)\n"  # strict: every key there, none extra
+            f"want = torch.load({str(tmp_path / 'want.pt')!r})\n"
+            "got = dict(model.named_parameters())\n"
+            "bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]\n"
+            "assert not bad and set(want) == set(got), bad\n"
+            "print(sorted(state_dict))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([COMPAT, ROOT, os.path.join(ROOT, "tests")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "lora_a.weight" in done.stdout and "base.weight" in done.stdout
