@@ -184,3 +184,9 @@ class Accelerator:
 def get_accelerator() -> Accelerator:
     """The process's accelerator (DeepSpeed's ``deepspeed.accelerator.get_accelerator``)."""
     return Accelerator("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def is_current_accelerator_supported() -> bool:
+    """DeepSpeed's check that the process's accelerator is one it supports: zero_ext's are CUDA and the CPU,
+    both on DeepSpeed's list."""
+    return get_accelerator().device_name() in ("cuda", "cpu")

@@ -1,2 +1,2 @@
 """``deepspeed.accelerator``: zero_ext's CUDA-or-CPU accelerator."""
-from zero_ext.accelerator import get_accelerator  # noqa: F401
+from zero_ext.accelerator import get_accelerator, is_current_accelerator_supported  # noqa: F401
