@@ -281,3 +281,57 @@ def test_peft_recovery_line_rebuilds_a_zero3_checkpoint(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "lora_a.weight" in done.stdout and "base.weight" in done.stdout
+
+
+def test_build_info_and_which_ops_exist(ds, tmp_path):
+    import deepspeed.git_version_info as info
+    from deepspeed.accelerator import is_current_accelerator_supported
+    from deepspeed.checkpoint.utils import get_model_ckpt_name_for_rank, get_zero_ckpt_name_for_rank
+    from deepspeed.ops.aio import AsyncIOBuilder
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+    from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+    from deepspeed.utils.torch import required_torch_version
+
+    ops = ds.ops.__compatible_ops__
+    assert ops[CPUAdamBuilder.NAME] and ops[AsyncIOBuilder.NAME] and CPUAdamBuilder().is_compatible()
+    assert not ops[FusedAdamBuilder.NAME] and not FusedAdamBuilder().is_compatible()  # a CUDA kernel of DeepSpeed's
+    with pytest.raises(RuntimeError, match="DeepSpeedCPUAdam"):
+        CPUAdamBuilder().load()
+    assert info.installed_ops == ops and info.version == ds.__version__ and info.git_hash == ds.__git_hash__
+    major, minor = (int(x) for x in info.torch_info["version"].split("."))
+    assert (major, minor) == tuple(int(x) for x in torch.__version__.split(".")[:2])
+    assert is_current_accelerator_supported()
+    assert required_torch_version(min_version=2.4) and not required_torch_version(max_version="1.13")
+    assert required_torch_version(min_version=torch.__version__.split("+")[0], max_version="99")
+    with pytest.raises(ValueError, match="min_version"):
+        required_torch_version()
+    assert get_model_ckpt_name_for_rank("d", "00") == os.path.join("d", "mp_rank_00_model_states.pt")
+    assert get_zero_ckpt_name_for_rank("d", 3, 0) == os.path.join("d", "zero_pp_rank_3_mp_rank_00_optim_states.pt")
+    assert "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock" in DEFAULT_LEAF_MODULE_CLASSES
+
+
+def _optimizer_classes(stage):
+    import deepspeed
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    engine, opt, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+    out = (isinstance(opt, DeepSpeedZeroOptimizer), isinstance(opt, DeepSpeedZeroOptimizer_Stage3),
+           isinstance(torch.zeros(1), DeepSpeedZeroOptimizer))
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_optimizer_classes_match_by_stage(ds, stage):
+    [(zero12, zero3, other)] = run_ranks(1, _with_compat, _optimizer_classes, stage)
+    assert (zero12, zero3, other) == (stage in (1, 2), stage == 3, False)
+
+
+def _with_compat(fn, *args):
+    """Runs fn on a rank that imports this checkout's deepspeed (the workers never imported another)."""
+    if COMPAT not in sys.path:
+        sys.path.insert(0, COMPAT)
+    return fn(*args)
