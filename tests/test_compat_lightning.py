@@ -1,16 +1,18 @@
-"""Lightning's DeepSpeedStrategy (lightning.pytorch.strategies) on zero_ext, through the `deepspeed`
-compatibility package, on 2 gloo CPU ranks: ZeRO stage 2, stage 3 and stage 3 with parameter and
-optimizer offload (there with a layer under deepspeed.checkpointing.checkpoint, the strategy's
-cpu_checkpointing and partition_activations on) train as Lightning's DDP does; a run saved mid-way and resumed ends where the
-uninterrupted one ends; Lightning's convert_zero_checkpoint_to_fp32_state_dict recovers the weights.
+"""Lightning's DeepSpeedStrategy (lightning.pytorch.strategies) on zero_ext, through the
+`deepspeed` compatibility package, on 2 gloo CPU ranks: ZeRO stage 2, stage 3 and stage 3 with
+parameter and optimizer offload (there with a layer under deepspeed.checkpointing.checkpoint, the
+strategy's cpu_checkpointing and partition_activations on) train as Lightning's DDP does; a run saved
+mid-way and resumed goes on as DDP resumed from its own checkpoint; Lightning's
+convert_zero_checkpoint_to_fp32_state_dict recovers the final weights.
 
-Lightning refuses DeepSpeed on anything but CUDA (``setup_environment``); the strategy here is Lightning's
-with only that check skipped. The ranks are started by the test harness with torchrun's variables, and
-Lightning is told so (TorchElasticEnvironment): it creates no processes of its own.
+Lightning refuses DeepSpeed on anything but CUDA (``setup_environment``, ``setup_distributed``); the
+strategy here is Lightning's with only those checks skipped. The ranks are started by the test harness
+with torchrun's variables, and Lightning is told so (TorchElasticEnvironment): it creates no processes
+of its own.
 
-Parity: the per-step training losses Lightning logs and the final weights equal DDP's within a relative
-1e-6 (fp32; Adam steps a flat partition instead of each tensor, and the gradients are averaged by a
-reduce-scatter instead of an all-reduce: same formulas, rounding may differ in the last bit).
+Parity: the per-step training losses and the final weights equal DDP's within a relative 1e-6 (fp32;
+Adam steps a flat partition instead of each tensor, and the gradients are averaged by another
+collective: same formulas, rounding may differ in the last bit).
 """
 import importlib.util
 import os

@@ -20,17 +20,17 @@ from .settings import configure, configure_from_engine, current, is_configured, 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:
     """DeepSpeed's setter of partition_activations alone (the other settings kept)."""
     s = current()
-    configure(s.mpu, partition_activations=partition_activation, contiguous_checkpointing=s.contiguous_memory_optimization,
-              num_checkpoints=s.number_checkpoints, checkpoint_in_cpu=s.cpu_checkpointing,
-              synchronize=s.synchronize_checkpoint_boundary, profile=s.profile)
+    configure(s.mpu, partition_activations=partition_activation,
+              contiguous_checkpointing=s.contiguous_memory_optimization, num_checkpoints=s.number_checkpoints,
+              checkpoint_in_cpu=s.cpu_checkpointing, synchronize=s.synchronize_checkpoint_boundary, profile=s.profile)
 
 
 def set_num_layers(nlayers: int) -> None:
     """DeepSpeed's setter of number_checkpoints alone."""
     s = current()
-    configure(s.mpu, partition_activations=s.partition_activations, contiguous_checkpointing=s.contiguous_memory_optimization,
-              num_checkpoints=nlayers, checkpoint_in_cpu=s.cpu_checkpointing,
-              synchronize=s.synchronize_checkpoint_boundary, profile=s.profile)
+    configure(s.mpu, partition_activations=s.partition_activations,
+              contiguous_checkpointing=s.contiguous_memory_optimization, num_checkpoints=nlayers,
+              checkpoint_in_cpu=s.cpu_checkpointing, synchronize=s.synchronize_checkpoint_boundary, profile=s.profile)
 
 
 __all__ = ["configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset",

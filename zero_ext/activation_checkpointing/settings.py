@@ -40,7 +40,8 @@ class Settings:
         if hasattr(mpu, "get_tensor_model_parallel_rank"):  # Megatron's newer names
             return (mpu.get_tensor_model_parallel_group(), int(mpu.get_tensor_model_parallel_world_size()),
                     int(mpu.get_tensor_model_parallel_rank()))
-        return mpu.get_model_parallel_group(), int(mpu.get_model_parallel_world_size()), int(mpu.get_model_parallel_rank())
+        return (mpu.get_model_parallel_group(), int(mpu.get_model_parallel_world_size()),
+                int(mpu.get_model_parallel_rank()))
 
     @property
     def keeps_copies(self) -> bool:

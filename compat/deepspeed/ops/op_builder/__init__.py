@@ -25,9 +25,9 @@ class OpBuilder:
 
     def load(self, verbose=True):
         if self.PROVIDED_BY is None:
-            raise RuntimeError(f"deepspeed op '{self.NAME}' is one of DeepSpeed's compiled kernels, which zero_ext does "
-                               "not have; use the torch equivalent (the DeepSpeed config's optimizer types map onto "
-                               "torch's or zero_ext's)")
+            raise RuntimeError(f"deepspeed op '{self.NAME}' is one of DeepSpeed's compiled kernels, which zero_ext "
+                               "does not have; use the torch equivalent (the DeepSpeed config's optimizer types "
+                               "map onto torch's or zero_ext's)")
         raise RuntimeError(f"deepspeed op '{self.NAME}': zero_ext compiles no ops at run time; it is built into "
                            f"zero_ext._C and used through {self.PROVIDED_BY}")
 
