@@ -221,7 +221,7 @@ def test_configure_errors_and_argument_precedence(tmp_path):
     try:
         with pytest.raises(ValueError, match="needs partition_activations"):
             ds.configure(None, contiguous_checkpointing=True, num_checkpoints=2)
-        with pytest.raises(ValueError, match="needs number_checkpoints"):
+        with pytest.raises(AssertionError, match="needs number_checkpoints"):  # (what DeepSpeed raises, too)
             ds.configure(None, partition_activations=True, contiguous_checkpointing=True)
         with pytest.raises(TypeError, match="get_model_parallel_rank"):
             ds.configure(object())
@@ -232,6 +232,7 @@ def test_configure_errors_and_argument_precedence(tmp_path):
         ds.configure(None, deepspeed_config=str(path), profile=False)
         s = ds.current()
         assert ds.is_configured() and s.partition_activations and s.number_checkpoints == 4 and not s.profile
+        assert ds.PARTITION_ACTIVATIONS and ds.num_layers == 4 and not ds.CPU_CHECKPOINT  # DeepSpeed's globals
         with pytest.raises(ValueError, match="partition_activation"):  # a misspelt key is named
             ds.configure(None, deepspeed_config={"activation_checkpointing": {"partition_activation": True}})
         ds.configure(None, partition_activations=True, contiguous_checkpointing=True, num_checkpoints=1)

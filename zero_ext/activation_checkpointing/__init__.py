@@ -14,7 +14,17 @@ Files:
 """
 from .checkpoint import checkpoint, non_reentrant_checkpoint, reset
 from .saved import held, held_bytes
-from .settings import configure, configure_from_engine, current, is_configured, reset_settings
+from .settings import (CheckpointingConfigError, configure, configure_from_engine, current, deepspeed_globals,
+                       is_configured, reset_settings)
+
+
+def __getattr__(name):
+    """DeepSpeed's module globals (PARTITION_ACTIVATIONS, CPU_CHECKPOINT, num_layers, mpu, ...), read-only:
+    the settings of the last configure()."""
+    try:
+        return deepspeed_globals(name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def partition_activations_in_checkpoint(partition_activation: bool) -> None:

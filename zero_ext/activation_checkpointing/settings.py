@@ -16,6 +16,11 @@ from ..config.sections import ActivationCheckpointingConfig
 logger = logging.getLogger("zero_ext.checkpointing")
 
 
+class CheckpointingConfigError(ConfigError, AssertionError):
+    """Settings of activation checkpointing that do not go together: a ConfigError (ValueError), and an
+    AssertionError, which is what DeepSpeed's configure raises for them."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What ``checkpoint()`` does with the inputs it keeps for recomputation."""
@@ -109,13 +114,14 @@ def reset_settings() -> None:
 
 def _check(s: Settings) -> None:
     if s.contiguous_memory_optimization and not s.partition_activations:
-        raise ConfigError("activation checkpointing: contiguous_memory_optimization needs partition_activations "
-                          "(it copies the partitions into preallocated buffers); turn partition_activations on, "
-                          "or contiguous_memory_optimization off")
+        raise CheckpointingConfigError(
+            "activation checkpointing: contiguous_memory_optimization needs partition_activations (it copies the "
+            "partitions into preallocated buffers); turn partition_activations on, or "
+            "contiguous_memory_optimization off")
     if s.contiguous_memory_optimization and s.number_checkpoints is None:
-        raise ConfigError("activation checkpointing: contiguous_memory_optimization needs number_checkpoints (the "
-                          "number of checkpointed calls per forward, which sizes its buffers); set it, e.g. to the "
-                          "number of layers")
+        raise CheckpointingConfigError(
+            "activation checkpointing: contiguous_memory_optimization needs number_checkpoints, the number of layers "
+            "(checkpointed calls per forward) that sizes its buffers; set it (num_checkpoints= in configure)")
     if s.mpu is not None:
         for name in ("get_model_parallel_rank", "get_model_parallel_world_size", "get_model_parallel_group"):
             if not hasattr(s.mpu, name) and not hasattr(s.mpu, name.replace("get_model", "get_tensor_model")):
@@ -135,6 +141,18 @@ def _log(s: Settings) -> None:
         logger.info("activation checkpointing: partition_activations splits over the model-parallel group of the "
                     "mpu given to configure(); none was given, so saved inputs are kept whole (a data-parallel "
                     "rank's activations are its own, as in DeepSpeed without an mpu)")
+
+
+def deepspeed_globals(name: str):
+    """DeepSpeed's module globals of the settings (``checkpointing.PARTITION_ACTIVATIONS``, ...), read-only."""
+    s = _current
+    table = {"PARTITION_ACTIVATIONS": s.partition_activations,
+             "CONTIGUOUS_CHECKPOINTING": s.contiguous_memory_optimization, "CPU_CHECKPOINT": s.cpu_checkpointing,
+             "SYNCHRONIZE": s.synchronize_checkpoint_boundary, "PROFILE_TIME": s.profile,
+             "num_layers": s.number_checkpoints, "mpu": s.mpu, "deepspeed_checkpointing_enabled": s.configured}
+    if name not in table:
+        raise AttributeError(name)
+    return table[name]
 
 
 def is_configured() -> bool:
