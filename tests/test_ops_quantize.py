@@ -157,3 +157,21 @@ def test_bad_arguments_are_named():
     short = QuantizedTensor(qt.data[:5], qt.scales, "int8", 4, qt.shape, qt.dtype)
     with pytest.raises(ValueError, match="5 bytes and 3 scales; 10 and 3 are needed"):
         dequantize(short)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("format,dtype,n,block", CASES)
+def test_cuda_kernels_give_the_c_cores_integers_and_scales(format, dtype, n, block):
+    x = sample(n, dtype, seed=n + block)
+    x[n // 2:n // 2 + 1] = float("inf") if n > 2 else x[n // 2:n // 2 + 1]
+    cpu = quantize(x, format, block)
+    gpu = quantize(x.cuda(), format, block)
+    assert torch.equal(gpu.data.cpu(), cpu.data)
+    assert torch.equal(gpu.scales.cpu().nan_to_num(-1.0), cpu.scales.nan_to_num(-1.0))
+    for out_dtype in DTYPES:
+        y, expect = dequantize(gpu, dtype=out_dtype).cpu(), dequantize(cpu, dtype=out_dtype)
+        assert torch.equal(y.isnan(), expect.isnan()) and torch.equal(y.nan_to_num(0.0), expect.nan_to_num(0.0))
+    acc = torch.randn(n, device="cuda")
+    expect = acc.cpu() + dequantize(cpu, dtype=torch.float32)
+    dequantize(gpu, out=acc, accumulate=True)
+    assert torch.equal(acc.cpu().nan_to_num(0.0), expect.nan_to_num(0.0))
