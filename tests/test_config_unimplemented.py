@@ -17,8 +17,6 @@ CASES = {
                                                            "super_offload": True}}}, True),
     "zero_optimization.zero_hpz_partition_size": (
         {"zero_optimization": {**Z3, "zero_hpz_partition_size": 8}}, 8),
-    "zero_optimization.zero_quantized_weights": (
-        {"zero_optimization": {**Z3, "zero_quantized_weights": True}}, True),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         {"zero_optimization": {**Z3, "zero_quantized_nontrainable_weights": True}}, True),
     "zero_optimization.zero_quantized_gradients": (

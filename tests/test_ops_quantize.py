@@ -4,30 +4,11 @@ fp32 accumulation; argument errors."""
 import pytest
 import torch
 
+from helpers.quant_ref import reference
 from zero_ext.ops.functional import available_isas, set_num_threads
 from zero_ext.ops.quantize import QuantizedTensor, dequantize, error_bound, quant_sizes, quantize
 
-LEVEL = {"int8": 127, "int4": 7}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def reference(x, format, block):
-    """(integers as int32, scales) computed with torch in fp32: s = amax / L, q = round(x * (L / amax))."""
-    L = LEVEL[format]
-    xf = x.float().flatten()
-    q = torch.zeros(xf.numel(), dtype=torch.int32)
-    scales = []
-    for b in range(0, xf.numel(), block):
-        blk = xf[b:b + block]
-        if not torch.isfinite(blk).all():
-            scales.append(float("nan"))
-            continue
-        amax = blk.abs().max()
-        scales.append((amax / L).item())
-        if amax > 0:
-            inv = torch.tensor(L, dtype=torch.float32) / amax
-            q[b:b + block] = torch.round(blk * inv).clamp(-L, L).to(torch.int32)
-    return q, torch.tensor(scales, dtype=torch.float32)
 
 
 def packed(q, format):

@@ -192,7 +192,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
                      remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
-                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings)
+                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
+                     quantized_weights=zc.zero_quantized_weights)
 
 
 # -- 2. the base optimizer ------------------------------------------------------------------------------------

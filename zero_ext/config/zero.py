@@ -117,7 +117,10 @@ class ZeroConfig(ConfigModel):
     zero_hpz_partition_size: Int = option(
         1, "ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition.", ge=0,
         le=2 ** 31 - 1)
-    zero_quantized_weights: bool = option(False, "ZeRO++ qwZ: quantized weight all-gather.")
+    zero_quantized_weights: bool = option(
+        False, "ZeRO++ qwZ: the forward/backward parameter all-gathers travel as int8 with an fp32 scale per "
+        "2048 elements; every rank computes with the dequantized weights, the optimizer steps the exact ones.",
+        stage3_only=True)
     zero_quantized_nontrainable_weights: bool = option(
         False, "Store frozen weights quantized (e.g. LoRA base weights).")
     zero_quantized_gradients: bool = option(

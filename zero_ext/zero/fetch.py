@@ -43,6 +43,11 @@ _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of"
               FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters"}
 
 
+# The fetches of the training passes, which ZeRO++ qwZ sends quantized; the others (GatheredParameters,
+# persistence, partitioning, zero.Init) gather exact values, as DeepSpeed's do.
+QUANTIZABLE = frozenset({FetchKind.FORWARD, FetchKind.BACKWARD, FetchKind.EXTERNAL, FetchKind.PREFETCH})
+
+
 class FetchOrderError(RuntimeError):
     """Ranks were about to gather different parameters (see [Note: fetch-order agreement])."""
 
@@ -78,14 +83,14 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
     INFLIGHT until ``wait_gathered``. Holds nothing. Returns the number of elements issued."""
     need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
     issued = 0
-    for (group, _, _), bucket in _buckets(need).items():
+    for (group, _, _, quantized), bucket in _buckets(need, site.kind in QUANTIZABLE).items():
         with internal.section():
             if check:
                 _agree(bucket, site, group, stamp)
             with record_function(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
                 pending = collectives.all_gather_pieces_async([zp.read_piece() for zp in bucket], outputs,
-                                                              [zp.numel for zp in bucket], group)
+                                                              [zp.numel for zp in bucket], group, quantized)
                 gather = _Gather(pending, bucket)
                 for zp in bucket:
                     zp.await_gather(gather)
@@ -128,11 +133,12 @@ def release(params: Sequence[ZeroParam], holder) -> None:
                     zp.to_partitioned()
 
 
-def _buckets(params: Sequence[ZeroParam]) -> Dict[Tuple, List[ZeroParam]]:
-    """What one all-gather can carry: same process group, compute device and dtype (order kept)."""
+def _buckets(params: Sequence[ZeroParam], quantizable: bool) -> Dict[Tuple, List[ZeroParam]]:
+    """What one all-gather can carry: same process group, compute device, dtype and, for a fetch of the
+    training passes, whether it is quantized (order kept)."""
     out: Dict[Tuple, List[ZeroParam]] = {}
     for zp in params:
-        out.setdefault((zp.group, zp.compute_device, zp.dtype), []).append(zp)
+        out.setdefault((zp.group, zp.compute_device, zp.dtype, quantizable and zp.quantized_gathers), []).append(zp)
     return out
 
 

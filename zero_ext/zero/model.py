@@ -60,15 +60,18 @@ class ZeroModel:
     ``group``, ``remote_device``, ``pin_memory``: for parameters that are partitioned here (those the
     model still holds whole). ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``
     (elements; DeepSpeed's stage3_* keys) and ``log_trace_cache_warnings``: the prefetch coordinator,
-    see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``meter`` counts the gathered elements of the
-    non-persistent parameters (meter.py), ``coordinator.stats`` what was prefetched.
+    see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``quantized_weights``: ZeRO++ qwZ, the
+    forward and backward gathers travel as int8 (see [Note: quantized all-gather] in
+    quantized_gather.py). ``meter`` counts the gathered elements of the non-persistent parameters
+    (meter.py), ``coordinator.stats`` what was prefetched.
     """
 
     def __init__(self, module: torch.nn.Module, group=None, param_persistence_threshold: int = 100_000,
                  model_persistence_threshold: int = sys.maxsize, check_fetch_order: bool = True,
                  detect_external_params: bool = True, remote_device=None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
-                 max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False):
+                 max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False,
+                 quantized_weights: bool = False):
         if module in _INSTALLED:
             raise RuntimeError(f"zero_ext: ZeRO-3 hooks are already installed on this {type(module).__name__}; "
                                "call destroy() on the first ZeroModel before installing another")
@@ -79,6 +82,7 @@ class ZeroModel:
         self.meter = GatherMeter()
         for zp in self._params:
             zp.attach_meter(self.meter)
+            zp.quantize_gathers(quantized_weights)
             if zp.status is not ZeroParamStatus.NOT_AVAILABLE and not zp.persist:
                 self.meter.adjust(zp.numel)  # gathered already (an enclosing GatheredParameters)
         self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
@@ -288,4 +292,5 @@ class ZeroModel:
         self.persistent = []
         for zp in self._params:
             zp.attach_meter(None)
+            zp.quantize_gathers(False)
         _INSTALLED.pop(self.module, None)

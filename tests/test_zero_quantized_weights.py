@@ -1,0 +1,190 @@
+"""ZeRO++ qwZ (zero_optimization.zero_quantized_weights): ZeRO-3's forward and backward gathers travel as
+int8 with an fp32 scale per 2048 elements, every rank computes with the dequantized weights, the optimizer
+steps the exact fp32 masters.
+
+The reference is written from that semantics (helpers/quant_ref.py, torch operations only): a single
+process whose forward and backward run on ``gathered_weight(W)`` (each rank's piece quantized on its own)
+while AdamW steps W. Against it the engine is held to the unquantized tolerances of ../shared/TESTING.md
+(fp32 N>1: 1e-5 (|p| + lr), losses 1e-5 relative; bf16: the bf16 rules of test_engine_parity.py), since
+the quantization itself is reproduced, not approximated. Against plain training the difference is the
+format's (docs/precision.md): a bound on how far the runs drift apart over 50 steps is checked too.
+"""
+import math
+
+import pytest
+import torch
+
+from helpers.engine import full_params, train
+from helpers.harness import run_ranks
+from helpers.models import MODELS
+from helpers.quant_ref import gathered_weight
+
+MICRO = 2
+LR = 1e-2
+
+# (dtype, world, gas, model, steps, zero options)
+CASES = [
+    ("fp32", 2, 1, "gpt", 50, {}),
+    ("fp32", 4, 3, "mlp", 6, {"stage3_prefetch_bucket_size": 100}),
+    ("bf16", 2, 1, "gpt", 6, {}),
+    ("fp32", 2, 1, "mlp", 6, {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}),
+]
+
+
+def _id(case):
+    dtype, world, gas, model, steps, opts = case
+    return f"{dtype}-n{world}-gas{gas}-{model}-{steps}steps" + ("-offload" if "offload_param" in opts else "")
+
+
+def _config(case, quantized=True):
+    dtype, world, gas, model, steps, opts = case
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
+            "bf16": {"enabled": dtype == "bf16"},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "zero_quantized_weights": quantized, **opts}}
+
+
+def _batches(case):
+    dtype, world, gas, model, steps, opts = case
+    gen = torch.Generator().manual_seed(99)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    return [[[MODELS[model].batch(MICRO, gen, dt) for _ in range(world)] for _ in range(gas)] for _ in range(steps)]
+
+
+def _new_model(name):
+    torch.manual_seed(0)
+    return MODELS[name]()
+
+
+def _train_engine(case, quantized=True):
+    import zero_ext
+
+    rank = torch.distributed.get_rank()
+    model = _new_model(case[3])
+    engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(),
+                                          config=_config(case, quantized))
+    losses = train(engine, _batches(case), rank)
+    params = full_params(engine)  # GatheredParameters: exact values, not the quantized ones
+    masters = {n: zero_ext.utils.safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()
+               if p.requires_grad}
+    engine.destroy()
+    return losses, params, masters
+
+
+def _reference(case, quantized=True):
+    """fp32 masters W stepped by the engine's AdamW; forward and backward on gathered_weight(W) in the
+    training dtype (bf16: the pieces are bf16 before quantization, and so are the dequantized weights)."""
+    from zero_ext.ops.adam import CPUAdam
+
+    dtype, world, gas, model_name, steps, opts = case
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    model = _new_model(model_name).to(dt)
+    named = dict(model.named_parameters())
+    master = {n: p.detach().float().clone() for n, p in named.items()}
+    trained = [n for n, p in named.items() if p.requires_grad]
+    groups = []
+    for g in model.param_groups():
+        ids = {id(p) for p in g["params"]}
+        groups.append({**g, "params": [master[n] for n in trained if id(named[n]) in ids]})
+    opt = CPUAdam(groups, lr=LR, weight_decay=0.01)
+    losses = [[] for _ in range(world)]
+    for step in _batches(case):
+        with torch.no_grad():
+            for n, p in named.items():
+                w = master[n].to(dt)
+                p.copy_(gathered_weight(w, world) if quantized else w)
+        grads = {n: torch.zeros_like(master[n]) for n in trained}
+        for micro in step:
+            for r in range(world):
+                model.zero_grad()
+                loss = model.loss(micro[r])
+                (loss / gas).backward()
+                losses[r].append(loss.float().item())
+                for n in trained:
+                    if named[n].grad is not None:
+                        grads[n] += named[n].grad.float() / world
+        for n in trained:
+            master[n].grad = grads[n]
+        opt.step()
+    return losses, master
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_quantized_weights_train_as_the_reference(case):
+    dtype, world, gas, model, steps, opts = case
+    results = run_ranks(world, _train_engine, case, timeout=240)
+    ref_losses, ref_master = _reference(case)
+    for r, (losses, params, masters) in enumerate(results):
+        assert params.keys() == results[0][1].keys()
+        for n in params:  # every rank reads the same exact values
+            assert torch.equal(params[n], results[0][1][n]), n
+        got = torch.tensor(losses)
+        want = torch.tensor(ref_losses[r])
+        rtol = 1e-5 if dtype == "fp32" else 2e-2
+        assert torch.allclose(got, want, rtol=rtol, atol=0), (r, (got - want).abs().max().item())
+        for n, m in masters.items():
+            if dtype == "fp32":
+                assert ((m - ref_master[n]).abs() <= 1e-5 * (ref_master[n].abs() + LR)).all(), n
+            else:  # test_engine_parity.py's bf16 rules
+                assert ((m - ref_master[n]).abs() <= 2 ** -6 * ref_master[n].abs() + 2 * steps * LR).all(), n
+        if dtype == "bf16":
+            num = math.sqrt(sum((masters[n] - ref_master[n]).double().pow(2).sum().item() for n in masters))
+            den = math.sqrt(sum(ref_master[n].double().pow(2).sum().item() for n in masters))
+            assert num / den <= 2 ** -5
+        if dtype == "fp32":  # GatheredParameters reads the exact masters (qwZ only touches training gathers)
+            for n, m in masters.items():
+                assert torch.equal(params[n], m), n
+
+
+def test_quantized_training_stays_near_plain_training():
+    """Over 50 steps the quantized run and plain training (both references, checked against the engine
+    above) stay close: int8 with 2048-element blocks perturbs each weight by at most s/2 (about 0.4 % of
+    its block's largest magnitude) and that error does not accumulate, since the masters are exact; the
+    gradients it perturbs move Adam's normalised steps, so the masters part by a bounded amount
+    (measured: 0.6 % on losses, 1.3 % relative L2 on the weights after 50 steps at lr 1e-2; bounds 1e-2
+    and 3e-2)."""
+    case = CASES[0]
+    q_losses, q_master = _reference(case, quantized=True)
+    p_losses, p_master = _reference(case, quantized=False)
+    q, p = torch.tensor(q_losses[0]), torch.tensor(p_losses[0])
+    assert ((q - p).abs() / p).max() < 1e-2, ((q - p).abs() / p).max()
+    num = math.sqrt(sum((q_master[n] - p_master[n]).double().pow(2).sum().item() for n in q_master))
+    den = math.sqrt(sum(p_master[n].double().pow(2).sum().item() for n in q_master))
+    assert num / den < 3e-2, num / den
+    # and the quantization is not a no-op: the runs differ
+    assert not torch.equal(q, p)
+
+
+def _gathered_values(_):
+    import zero_ext
+
+    model = _new_model("mlp")
+    engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(),
+                                          config=_config(("fp32", 2, 1, "mlp", 1, {})))
+    seen = {}
+    def look(module, args):  # runs after ZeRO-3's own pre-hook gathered the weight
+        seen.setdefault("body", module.weight.detach().clone())
+
+    hook = engine.module.body.register_forward_pre_hook(look)
+    engine.module.loss(MODELS["mlp"].batch(MICRO, torch.Generator().manual_seed(1)))
+    hook.remove()
+    with zero_ext.zero.GatheredParameters([engine.module.body.weight]):
+        exact = engine.module.body.weight.detach().clone()
+    engine.destroy()
+    return seen["body"], exact
+
+
+def test_forward_sees_the_dequantized_weight_and_gathered_parameters_the_exact_one():
+    for inside_forward, exact in run_ranks(2, _gathered_values, None):
+        assert torch.equal(exact, _new_model("mlp").body.weight.detach())
+        assert torch.equal(inside_forward, gathered_weight(exact, 2))
+        assert not torch.equal(inside_forward, exact)
+
+
+def test_quantized_weights_below_stage_3_warn_that_they_do_nothing():
+    from zero_ext.config import load_config
+
+    with pytest.warns(Warning, match="zero_quantized_weights"):
+        load_config({"train_micro_batch_size_per_gpu": 1,
+                     "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
