@@ -19,8 +19,6 @@ CASES = {
         {"zero_optimization": {**Z3, "zero_hpz_partition_size": 8}}, 8),
     "zero_optimization.zero_quantized_nontrainable_weights": (
         {"zero_optimization": {**Z3, "zero_quantized_nontrainable_weights": True}}, True),
-    "zero_optimization.zero_quantized_gradients": (
-        {"zero_optimization": {**Z3, "zero_quantized_gradients": True}}, True),
     "zero_optimization.zeropp_loco_param": (
         {"zero_optimization": {**Z3, "zeropp_loco_param": {"err_beta": 0.8}}},
         {"err_beta": 0.8}),

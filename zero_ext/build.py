@@ -239,7 +239,8 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
                                        on_group=on_group)
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
-                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters)
+                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
+                               quantized=zc.zero_quantized_gradients)
         after_step.append(zero_model.refresh_persistent)
     else:
         host = plan.host if plan.optimizer else None

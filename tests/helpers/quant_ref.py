@@ -40,3 +40,22 @@ def gathered_weight(w, world, format="int8", block=2048):
     padded[: flat.numel()] = flat
     pieces = [fake_quantize(padded[r * shard:(r + 1) * shard], format, block) for r in range(world)]
     return torch.cat(pieces)[: flat.numel()].view(w.shape)
+
+
+def reduced_gradient(grads, world, quantized, format="int4", block=512):
+    """What a quantized reduce-scatter (ZeRO++ qgZ) leaves in the pieces of one parameter, as one flat fp32
+    tensor of its numel: for every rank in rank order, each of its pieces of the full gradient ``grads[r]``
+    quantized on its own (``quantized``; else exact) and added in fp32. Not yet divided by the world."""
+    numel = grads[0].numel()
+    shard = -(-numel // world)
+    total = torch.zeros(world * shard)
+    for g in grads:
+        padded = torch.zeros(world * shard, dtype=g.dtype)
+        padded[:numel] = g.flatten()
+        for d in range(world):
+            piece = padded[d * shard:(d + 1) * shard]
+            if quantized:
+                q, scales = reference(piece, format, block)
+                piece = q.float() * scales.repeat_interleave(block)[: q.numel()]
+            total[d * shard:(d + 1) * shard] += piece
+    return total[:numel]

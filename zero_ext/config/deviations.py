@@ -108,6 +108,16 @@ DEVIATIONS = [
      "max_in_cpu) are at most 2**62; the derived train_batch_size must fit int64; "
      "mics_shard_size >= -1; zero_hpz_partition_size and mics_shard_size < 2**31.",
      "Larger values overflow the C planner, torch or the loss scaler; the error names the key."),
+    ("ZeRO++ qwZ / qgZ formats",
+     "qwZ: int8 in groups sized by an adaptive rule around 2048 elements over the whole gathered "
+     "buffer (fp16 on the wire path); qgZ: int4 in groups of about one row, two-level all-to-all "
+     "(intra-node, then inter-node) and a plain reduce-scatter for 1-D tensors.",
+     "qwZ: int8, 2048-element blocks; qgZ: int4, 512-element blocks, one all-to-all over the data-"
+     "parallel group, synchronous, 1-D parameters unquantized; both quantize each parameter's piece on "
+     "its own, in its own dtype (bf16 stays bf16), with the bound stated in docs/precision.md.",
+     "A parameter's value does not depend on which others shared its bucket, so runs are reproducible "
+     "and testable against a reference; the two-level all-to-all (fewer bytes across nodes) is not "
+     "built yet."),
     ("aio limits",
      "Any positive block_size, queue_depth and thread count.",
      "block_size a multiple of 4096 up to 2**30 bytes, queue_depth <= 4096, "

@@ -28,7 +28,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.zero_hpz_partition_size": "ZeRO++ hierarchical partitioning (hpZ)",
     "zero_optimization.zero_quantized_nontrainable_weights": "quantized frozen weights",
-    "zero_optimization.zero_quantized_gradients": "ZeRO++ quantized gradients (qgZ)",
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ error feedback",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical all-gather",

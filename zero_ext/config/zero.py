@@ -124,7 +124,8 @@ class ZeroConfig(ConfigModel):
     zero_quantized_nontrainable_weights: bool = option(
         False, "Store frozen weights quantized (e.g. LoRA base weights).")
     zero_quantized_gradients: bool = option(
-        False, "ZeRO++ qgZ: quantized gradient reduction (all-to-all).")
+        False, "ZeRO++ qgZ: stage 3's gradient reduce-scatter travels as int4 (an fp32 scale per 512 elements; "
+        "1-D parameters unquantized) through one all-to-all, summed in fp32 on arrival.", stage3_only=True)
     zeropp_loco_param: Optional[Dict[str, Any]] = option(
         None, "LoCo-ZeRO++ error-feedback settings, e.g. {\"err_beta\": 0.8, \"reset_T\": 1024}.")
     mics_shard_size: Int = option(-1, "MiCS: ranks one model-state shard spans (-1: off).",

@@ -4,7 +4,8 @@ Files:
 - zero_optimizer.py: ZeroOptimizer, the one optimizer of every stage: owns the groups, reduces, clips,
   steps and re-gathers.
 - flat_group.py: FlatGroup, one param group flattened (stages 0-2).
-- shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them.
+- shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
+  quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all.
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.
 - schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
