@@ -45,6 +45,7 @@ from .optim.zero_optimizer import ZeroOptimizer
 from .zero import ZeroModel, unpartition
 from .zero.leaf import apply_leaf_config
 from .zero.param import zero_param_of
+from .zero.secondary import node_groups
 
 logger = logging.getLogger("zero_ext")
 
@@ -187,13 +188,30 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     # costs one small all-gather per fetch, per prefetch batch once the fetch order is recorded:
     # ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
+    hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
                      remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
                      max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
-                     quantized_weights=zc.zero_quantized_weights)
+                     quantized_weights=zc.zero_quantized_weights, hpz=hpz)
+
+
+def _hpz_groups(zc, plan: OffloadPlan, world: int):
+    """ZeRO++ hpZ's node groups: (this rank's group, its rank there, size), or None when off."""
+    size = zc.zero_hpz_partition_size
+    if size <= 1:
+        return None
+    if world % size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size = {size} does not divide the {world} ranks: "
+                          "hpZ's secondary partition spans whole nodes; use a divisor of the world size")
+    if plan.param_remote_device is not None:
+        raise ConfigError("zero_optimization.zero_hpz_partition_size > 1 with offload_param: hpZ keeps a "
+                          "secondary copy of the parameters on the device, which offloading them removes; "
+                          "use one or the other")
+    found = node_groups(size, world, comm.get_rank(), comm.new_group)
+    return None if found is None else (*found, size)
 
 
 # -- 2. the base optimizer ------------------------------------------------------------------------------------
@@ -242,6 +260,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                                _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
                                quantized=zc.zero_quantized_gradients)
         after_step.append(zero_model.refresh_persistent)
+        after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:
         host = plan.host if plan.optimizer else None
         groups: List[Optional[FlatGroup]] = []

@@ -408,7 +408,7 @@ class ZeroEngine(torch.nn.Module):
 
         Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
         model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
-        comm_buffers, buffers (the module's buffers). Tiers: accelerator (the compute device), host,
+        comm_buffers, buffers (the module's buffers), hpz_secondary (ZeRO++ hpZ's node-local copies). Tiers: accelerator (the compute device), host,
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
@@ -424,6 +424,9 @@ class ZeroEngine(torch.nn.Module):
                 account.add("grads", p.grad)
         for b in self.module.buffers():
             account.add("buffers", b)
+        if self.zero_model is not None and self.zero_model.secondary is not None:
+            for t in self.zero_model.secondary.tensors():  # ZeRO++ hpZ's node-local copies
+                account.add("hpz_secondary", t)
         if self.optimizer is not None and self.optimizer.nvme is not None:
             masters, states = self.optimizer.nvme_bytes()
             account.bytes["fp32_master"]["nvme"] += masters

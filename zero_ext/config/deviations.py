@@ -118,6 +118,11 @@ DEVIATIONS = [
      "A parameter's value does not depend on which others shared its bucket, so runs are reproducible "
      "and testable against a reference; the two-level all-to-all (fewer bytes across nodes) is not "
      "built yet."),
+    ("ZeRO++ hpZ with offload_param",
+     "Not checked.",
+     "Error: zero_hpz_partition_size > 1 with offload_param.",
+     "hpZ's secondary copy lives on the device, where offloading the parameters was meant to free "
+     "memory."),
     ("aio limits",
      "Any positive block_size, queue_depth and thread count.",
      "block_size a multiple of 4096 up to 2**30 bytes, queue_depth <= 4096, "

@@ -115,8 +115,9 @@ class ZeroConfig(ConfigModel):
     round_robin_gradients: bool = option(
         False, "Stages 1-2 with CPU offload: spread gradient copies over ranks round-robin.")
     zero_hpz_partition_size: Int = option(
-        1, "ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition.", ge=0,
-        le=2 ** 31 - 1)
+        1, "ZeRO++ hpZ: ranks of a node, over which each parameter keeps a secondary partition after its "
+        "forward, so the backward gathers within the node (1: off; must divide the world; not with "
+        "offload_param).", ge=0, le=2 ** 31 - 1, stage3_only=True)
     zero_quantized_weights: bool = option(
         False, "ZeRO++ qwZ: the forward/backward parameter all-gathers travel as int8 with an fp32 scale per "
         "2048 elements; every rank computes with the dequantized weights, the optimizer steps the exact ones.",
