@@ -15,8 +15,6 @@ CASES = {
     "zero_optimization.offload_optimizer.super_offload": (
         {"zero_optimization": {**Z3, "offload_optimizer": {"device": "cpu",
                                                            "super_offload": True}}}, True),
-    "zero_optimization.zero_quantized_nontrainable_weights": (
-        {"zero_optimization": {**Z3, "zero_quantized_nontrainable_weights": True}}, True),
     "zero_optimization.zeropp_loco_param": (
         {"zero_optimization": {**Z3, "zeropp_loco_param": {"err_beta": 0.8}}},
         {"err_beta": 0.8}),

@@ -26,6 +26,7 @@ LR = 1e-2
 
 QW = {"zero_quantized_weights": True}
 QG = {"zero_quantized_gradients": True}
+QN = {"zero_quantized_nontrainable_weights": True}
 OFFLOAD = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
 # (dtype, world, gas, model, steps, zero options); qgZ cases at gas 1: the reference reproduces the
 # engine's gradient bit for bit only where no 1/gas scaling precedes the quantization
@@ -38,12 +39,15 @@ CASES = [
     ("fp32", 4, 1, "mlp", 6, QG),
     ("bf16", 2, 1, "gpt", 6, QG),
     ("fp32", 4, 1, "gpt", 10, {**QW, **QG, **OFFLOAD}),
+    ("fp32", 2, 1, "mlp", 6, QN),  # MLP's first layer is frozen
+    ("bf16", 4, 1, "mlp", 6, {**QN, **QW}),
 ]
 
 
 def _id(case):
     dtype, world, gas, model, steps, opts = case
     kinds = [k for k, on in (("qwZ", opts.get("zero_quantized_weights")), ("qgZ", opts.get("zero_quantized_gradients")),
+                             ("frozen-int8", opts.get("zero_quantized_nontrainable_weights")),
                              ("offload", "offload_param" in opts)) if on]
     return f"{'+'.join(kinds)}-{dtype}-n{world}-gas{gas}-{model}-{steps}steps"
 
@@ -52,7 +56,7 @@ def _config(case, quantized=True):
     """The case's config; quantized=False: the same without ZeRO++."""
     dtype, world, gas, model, steps, opts = case
     if not quantized:
-        opts = {k: v for k, v in opts.items() if k not in QW and k not in QG}
+        opts = {k: v for k, v in opts.items() if k not in QW and k not in QG and k not in QN}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
             "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
@@ -95,6 +99,7 @@ def _reference(case, quantized=True):
     dtype, world, gas, model_name, steps, opts = case
     qw = quantized and opts.get("zero_quantized_weights", False)
     qg = quantized and opts.get("zero_quantized_gradients", False)
+    qn = quantized and opts.get("zero_quantized_nontrainable_weights", False)
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     model = _new_model(model_name).to(dt)
     named = dict(model.named_parameters())
@@ -110,6 +115,8 @@ def _reference(case, quantized=True):
         with torch.no_grad():
             for n, p in named.items():
                 w = master[n].to(dt)
+                if qn and not p.requires_grad:  # its piece is kept as int8 from the start
+                    w = gathered_weight(w, world)
                 p.copy_(gathered_weight(w, world) if qw else w)
         grads = {n: torch.zeros_like(master[n]) for n in trained}
         for micro in step:
@@ -200,6 +207,28 @@ def _gathered_values(_):
         exact = engine.module.body.weight.detach().clone()
     engine.destroy()
     return seen["body"], exact
+
+
+def _frozen_bytes(quantized):
+    import zero_ext
+
+    model = _new_model("mlp")
+    engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(),
+                                          config=_config(("fp32", 2, 1, "mlp", 1, QN), quantized))
+    params = engine.memory_breakdown()["params"]["accelerator"]
+    with zero_ext.zero.GatheredParameters([engine.module.frozen.weight]):
+        value = engine.module.frozen.weight.detach().clone()
+    engine.destroy()
+    return params, value
+
+
+def test_frozen_pieces_kept_as_int8_count_their_bytes_and_read_dequantized():
+    for (q_bytes, q_value), (p_bytes, p_value) in zip(run_ranks(2, _frozen_bytes, True),
+                                                       run_ranks(2, _frozen_bytes, False)):
+        # frozen.weight (13 x 7) and frozen.bias (13) in pieces of 46 and 7 fp32 elements, kept as int8 with
+        # one scale each: 46 * 4 + 7 * 4 bytes become 46 + 4 + 7 + 4
+        assert p_bytes - q_bytes == (46 * 4 + 7 * 4) - (46 + 4 + 7 + 4)
+        assert torch.equal(q_value, gathered_weight(p_value, 2)) and not torch.equal(q_value, p_value)
 
 
 def test_forward_sees_the_dequantized_weight_and_gathered_parameters_the_exact_one():

@@ -195,7 +195,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                      remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
                      max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
-                     quantized_weights=zc.zero_quantized_weights, hpz=hpz)
+                     quantized_weights=zc.zero_quantized_weights, hpz=hpz,
+                     quantized_frozen=zc.zero_quantized_nontrainable_weights)
 
 
 def _hpz_groups(zc, plan: OffloadPlan, world: int):

@@ -427,6 +427,9 @@ class ZeroEngine(torch.nn.Module):
         if self.zero_model is not None and self.zero_model.secondary is not None:
             for t in self.zero_model.secondary.tensors():  # ZeRO++ hpZ's node-local copies
                 account.add("hpz_secondary", t)
+        if self.zero_model is not None and self.zero_model.frozen_pieces is not None:
+            for t in self.zero_model.frozen_pieces.tensors():  # frozen pieces kept as int8 and scales
+                account.add("params", t)
         if self.optimizer is not None and self.optimizer.nvme is not None:
             masters, states = self.optimizer.nvme_bytes()
             account.bytes["fp32_master"]["nvme"] += masters

@@ -26,7 +26,6 @@ Entry = Union[str, Dict[str, Any]]
 UNIMPLEMENTED: Dict[str, Entry] = {
     # -- ZeRO stage 3 and its relatives --------------------------------------------------------
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
-    "zero_optimization.zero_quantized_nontrainable_weights": "quantized frozen weights",
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ error feedback",
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical all-gather",

@@ -123,7 +123,8 @@ class ZeroConfig(ConfigModel):
         "2048 elements; every rank computes with the dequantized weights, the optimizer steps the exact ones.",
         stage3_only=True)
     zero_quantized_nontrainable_weights: bool = option(
-        False, "Store frozen weights quantized (e.g. LoRA base weights).")
+        False, "Stage 3: frozen parameters' pieces kept as int8 with an fp32 scale per 2048 elements (e.g. LoRA "
+        "base weights); every rank computes with the dequantized values.", stage3_only=True)
     zero_quantized_gradients: bool = option(
         False, "ZeRO++ qgZ: stage 3's gradient reduce-scatter travels as int4 (an fp32 scale per 512 elements; "
         "1-D parameters unquantized) through one all-to-all, summed in fp32 on arrival.", stage3_only=True)

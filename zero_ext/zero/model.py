@@ -29,6 +29,7 @@ from .leaf import z3_leaf_module
 from .meter import GatherMeter
 from .hooks import ModuleCall, ModuleState
 from .param import ZeroParam, zero_param_of
+from .quantized_pieces import QuantizedPieces
 from .secondary import SecondaryPartition
 from .status import FetchKind, ZeroParamStatus
 
@@ -64,7 +65,8 @@ class ZeroModel:
     see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``quantized_weights``: ZeRO++ qwZ, the
     forward and backward gathers travel as int8 (see [Note: quantized all-gather] in
     quantized_gather.py). ``hpz``: ZeRO++ hpZ, (node group, rank in it, node size) (see [Note: hpZ
-    secondary partition] in secondary.py). ``meter`` counts the gathered elements of the non-persistent parameters
+    secondary partition] in secondary.py). ``quantized_frozen``: ZeRO++'s quantized non-trainable
+    weights, frozen parameters' pieces kept as int8 (quantized_pieces.py). ``meter`` counts the gathered elements of the non-persistent parameters
     (meter.py), ``coordinator.stats`` what was prefetched.
     """
 
@@ -73,7 +75,7 @@ class ZeroModel:
                  detect_external_params: bool = True, remote_device=None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
                  max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False,
-                 quantized_weights: bool = False, hpz=None):
+                 quantized_weights: bool = False, hpz=None, quantized_frozen: bool = False):
         if module in _INSTALLED:
             raise RuntimeError(f"zero_ext: ZeRO-3 hooks are already installed on this {type(module).__name__}; "
                                "call destroy() on the first ZeroModel before installing another")
@@ -90,6 +92,12 @@ class ZeroModel:
             zp.attach_secondary(self.secondary)
             if zp.status is not ZeroParamStatus.NOT_AVAILABLE and not zp.persist:
                 self.meter.adjust(zp.numel)  # gathered already (an enclosing GatheredParameters)
+        # zero_quantized_nontrainable_weights: frozen pieces kept as int8 ([Note: quantized frozen pieces])
+        self.frozen_pieces = QuantizedPieces() if quantized_frozen else None
+        if self.frozen_pieces is not None:
+            for zp in self._params:
+                if not zp.param.requires_grad and zp.piece_io is None and zp.status is ZeroParamStatus.NOT_AVAILABLE:
+                    self.frozen_pieces.add(zp)
         self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
         for index, (name, m) in enumerate(module.named_modules()):
             self._states[m] = ModuleState(self, m, index, name or "<root>", m is module)
@@ -307,4 +315,6 @@ class ZeroModel:
             zp.attach_secondary(None)
         if self.secondary is not None:
             self.secondary.destroy()
+        if self.frozen_pieces is not None:  # the pieces become tensors again (their dequantized values)
+            self.frozen_pieces.release_all()
         _INSTALLED.pop(self.module, None)
