@@ -87,10 +87,11 @@ DEVIATIONS = [
      "Same rules; a non-divisible input is reported with the division that failed, and "
      "impossible triples are reported before the world size is known.",
      "Messages show the numbers that do not fit."),
-    ("File format",
-     "Reads files with hjson (comments, trailing commas).",
-     "Strict JSON (standard library), duplicate keys rejected as in DeepSpeed.",
-     "No extra dependency; JSON is what DeepSpeed documents."),
+    ("Config text given as a string",
+     "A string must be a file path or base64; base64 text is read with hjson without the "
+     "duplicate-key check.",
+     "JSON/hjson text is accepted as a string too; duplicate keys are errors in every source.",
+     "One reading rule for every source."),
     ("A key given twice (name and alias, e.g. bf16 and bfloat16)",
      "One silently wins (bf16 over bfloat16; pydantic keeps one of name/alias).",
      "Error.",

@@ -65,7 +65,8 @@ How a config is read:
 - **Accepted but not implemented yet**: `load_config` accepts every DeepSpeed feature below, but
   `initialize` / `zero.Init` refuse (via `zero_ext.config.reject_unimplemented`) any key listed
   under "Not implemented yet" that is set to a non-default value. Nothing is silently ignored.
-- Files are strict JSON (DeepSpeed also accepts hjson comments); duplicate keys are errors.
+- Files and strings are read with hjson, as DeepSpeed reads them (comments, trailing commas);
+  duplicate keys are errors.
 
 Sizes are element counts, not bytes, unless the key says bytes.
 """
