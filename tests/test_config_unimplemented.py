@@ -43,8 +43,6 @@ CASES = {
         {"zero_optimization": {**Z3, "stage3_allgather_sequential": True}}, True),
     "zero_optimization.round_robin_gradients": (
         {"zero_optimization": {"stage": 2, "round_robin_gradients": True}}, True),
-    "zero_optimization.elastic_checkpoint": (
-        {"zero_optimization": {"stage": 2, "elastic_checkpoint": True}}, True),
     "zero_optimization.load_from_fp32_weights": (
         {"zero_optimization": {"stage": 1, "load_from_fp32_weights": False}}, False),
     "zero_optimization.ignore_unused_parameters": (

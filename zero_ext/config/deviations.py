@@ -35,10 +35,11 @@ DEVIATIONS = [
      "No effect / not checked in the config.",
      "Error.",
      "No silent no-ops."),
-    ("elastic_checkpoint with stage 3",
-     "Warning; saving later fails.",
-     "Error pointing to universal checkpoints (checkpoint.load_universal).",
-     "Fail at load, not at the first checkpoint."),
+    ("elastic_checkpoint",
+     "Stages 1-2: each rank reads every rank's optimizer file and merges them (loads across "
+     "world sizes); stage 3: a deprecation warning.",
+     "A deprecation warning at every stage; the key has no effect.",
+     "zero_ext checkpoints reshard natively: any world size and stage load any checkpoint."),
     ("Checks DeepSpeed makes only in initialize",
      "pipeline_loading_checkpoint needs stage 3, legacy_stage1 is refused, allgather_bucket_size "
      "must be even (stages 1-2), reduce-scatter (stages 2-3) forbids gradient_predivide_factor "

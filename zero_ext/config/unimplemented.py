@@ -40,7 +40,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",
     "zero_optimization.allgather_sequential": "sequential parameter all-gather",
     "zero_optimization.round_robin_gradients": "round-robin gradient partitioning",
-    "zero_optimization.elastic_checkpoint": "elastic checkpoints",
     "zero_optimization.load_from_fp32_weights": "master weights from 16-bit checkpoint weights",
     "zero_optimization.ignore_unused_parameters": "the unused-parameter check",
     "zero_optimization.enable_sanity_checks": "ZeRO sanity checks",

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 from pydantic import model_validator
 
 from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
+from .errors import ConfigDeprecationWarning
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
 from .zero_extras import LeafModuleConfig, ZenFlowConfig
 
@@ -50,8 +51,10 @@ class ZeroConfig(ConfigModel):
         True, "On checkpoint load, initialise fp32 master weights from the saved fp32 copy "
         "(false: from the 16-bit weights, losing precision).")
     elastic_checkpoint: bool = option(
-        False, "Legacy elastic checkpoints (stages 1-2). Not available with stage 3: use "
-        "universal checkpoints (checkpoint.load_universal).")
+        False, "Deprecated, no effect: zero_ext checkpoints load into any world size and stage "
+        "(true gives a deprecation warning).",
+        ds_note="DeepSpeed merges stage-1/2 optimizer state across ranks with it; at stage 3 it "
+        "warns that the key is deprecated.")
     offload_param: Optional[OffloadParamConfig] = option(
         None, "Parameter offload to CPU/NVMe (stage 3 only); see offload_param below.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = option(
@@ -169,6 +172,11 @@ class ZeroConfig(ConfigModel):
                 data[new] = {"device": "cpu"}
         if "cpu_offload_use_pin_memory" in data:
             _migrate_pin_memory(data, path, report)
+        if data.get("elastic_checkpoint") is True:
+            report.warnings.append((
+                f"{path}.elastic_checkpoint is deprecated and has no effect: zero_ext checkpoints "
+                "load into any world size and ZeRO stage (docs/checkpoints.md, Resharding); remove it",
+                ConfigDeprecationWarning))
         old, new = "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"
         if old in data:
             value = data.pop(old)
@@ -247,11 +255,6 @@ def _offload_rules(z: ZeroConfig):
 
 def _stage_rules(z: ZeroConfig):
     """Keys that only work at some stages, or not at all. Yields (key, value, message)."""
-    if z.elastic_checkpoint and z.stage == 3:
-        yield ("elastic_checkpoint", True,
-               "elastic checkpoints are not supported with ZeRO stage 3; use universal "
-               "checkpoints instead (\"checkpoint\": {\"load_universal\": true}) and remove "
-               "elastic_checkpoint")
     if z.pipeline_loading_checkpoint and z.stage != 3:
         yield ("pipeline_loading_checkpoint", True,
                f"only supported with ZeRO stage 3 (stage is {z.stage})")
