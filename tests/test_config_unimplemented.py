@@ -74,7 +74,6 @@ CASES = {
     "optimizer.legacy_fusion": ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, True),
     "prescale_gradients": ({"prescale_gradients": True}, True),
     "gradient_predivide_factor": ({"gradient_predivide_factor": 2.0}, 2.0),
-    "gradient_allreduce_op": ({"gradient_allreduce_op": "sum"}, "sum"),
     "sparse_gradients": ({"sparse_gradients": True}, True),
     "disable_allgather": ({"disable_allgather": True}, True),
     "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, False),

@@ -226,7 +226,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
 
 def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
     comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
-    return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
+    return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor,
+                     summed=cfg.gradient_allreduce_op == "sum")
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,

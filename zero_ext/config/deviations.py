@@ -137,6 +137,10 @@ DEVIATIONS = [
      "decay_lr_rate and decay_mom_rate >= 0; learning rates finite and >= 0.",
      "eps 0 divides by zero where a state is 0; beta1 = 1 makes Adam's bias correction divide "
      "by zero; a negative decay rate makes the lr negative or infinite."),
+    ("gradient_allreduce_op \"sum\" with prescale_gradients or gradient_predivide_factor",
+     "Accepted; the scaling is skipped when gradients are summed.",
+     "Error naming the key.",
+     "No silent no-ops."),
     ("legacy allgather_size without the legacy boolean zero_optimization",
      "Silently unused.",
      "Error pointing to zero_optimization.allgather_bucket_size.",

@@ -69,7 +69,9 @@ class DeepSpeedConfig(ConfigModel):
     prescale_gradients: bool = option(False, "Divide gradients before (not after) reduction.")
     gradient_predivide_factor: Float = option(
         1.0, "Divide gradients by this before reduction and by world_size/factor after.", gt=0.0)
-    gradient_allreduce_op: str = option("mean", 'Gradient reduction: "mean" or "sum".')
+    gradient_allreduce_op: str = option(
+        "mean", 'How ranks\' gradients combine: "mean" (averaged) or "sum" (added up, as if the '
+        'losses were summed over ranks); "sum" needs ZeRO stage 0-2.')
     communication_data_type: Optional[str] = option(
         None, "Dtype of gradient communication: fp16, bf16 or fp32 (null: the gradients').")
     seq_parallel_communication_data_type: Optional[str] = option(
@@ -147,7 +149,7 @@ class DeepSpeedConfig(ConfigModel):
     def _reduce_op(cls, value: Any) -> Any:
         value = lower_str(value)
         if value not in ("mean", "sum"):
-            raise ValueError('must be "mean" or "sum"')
+            raise ValueError('Invalid gradient_allreduce_op: must be "mean" (average over ranks) or "sum"')
         return value
 
     # -- deprecated legacy form ------------------------------------------------------------------
@@ -287,6 +289,10 @@ def _reduction_rules(cfg: DeepSpeedConfig):
             yield ("gradient_allreduce_op", "sum", 'is not supported with ZenFlow; use "mean"')
         if cfg.compile.deepcompile:
             yield ("gradient_allreduce_op", "sum", 'is not supported with DeepCompile; use "mean"')
+        if cfg.prescale_gradients or cfg.gradient_predivide_factor != 1.0:
+            key = "prescale_gradients" if cfg.prescale_gradients else "gradient_predivide_factor"
+            yield (key, getattr(cfg, key), 'has no effect with gradient_allreduce_op "sum" (the '
+                   "gradients are added up, never divided); remove it")
     if zero.stage >= 2 and zero.reduce_scatter:
         if cfg.gradient_predivide_factor != 1.0:
             yield ("gradient_predivide_factor", cfg.gradient_predivide_factor,

@@ -64,7 +64,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer",
     "prescale_gradients": "gradient pre-scaling",
     "gradient_predivide_factor": "gradient pre-division",
-    "gradient_allreduce_op": {"reason": "summed (not averaged) gradients", "values": ["sum"]},
     "sparse_gradients": "sparse embedding gradients",
     "disable_allgather": "broadcast instead of all-gather",
     "managed_gradient_accumulation": "user-managed accumulation boundaries",

@@ -27,11 +27,16 @@ from .flat_group import FlatGroup
 class Averaging:
     """How gradients are averaged over N ranks and in which dtype they travel (DeepSpeed's keys):
     by default multiplied by 1/f before the reduction and by f/N after (gradient_predivide_factor f,
-    default 1); with prescale_gradients divided by N before. ``comm_dtype``: communication_data_type,
-    or the gradients' own dtype."""
+    default 1); with prescale_gradients divided by N before. ``summed`` (gradient_allreduce_op "sum"):
+    neither, the ranks' gradients are added up. ``comm_dtype``: communication_data_type, or the
+    gradients' own dtype."""
 
-    def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0):
+    def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0,
+                 summed: bool = False):
         self.comm_dtype = comm_dtype
+        if summed:
+            self.pre = self.post = 1.0
+            return
         self.pre = 1.0 / world if prescale else 1.0 / predivide
         self.post = 1.0 if prescale else predivide / world
 
