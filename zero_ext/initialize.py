@@ -1,5 +1,6 @@
 """``zero_ext.initialize``: DeepSpeed's entry point: checks the arguments and the config, then hands
 them to the builder (build.py)."""
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -24,7 +25,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
 
     ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or a JSON path.
     ``optimizer`` is a torch optimizer over the model's parameters, or a callable taking the
-    parameters; otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
+    parameters (it wins over a config ``optimizer`` section, with a warning, as in DeepSpeed);
+    otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
     scheduler or a callable taking the optimizer. ``training_data`` (a Dataset) gives a loader with a
     distributed sampler and the micro batch size.
     """
@@ -47,9 +49,10 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     if not trainable and (optimizer is not None or cfg.optimizer is not None):
         raise ValueError("zero_ext.initialize: the model has no trainable parameters (every parameter has "
                          "requires_grad=False); there is nothing to optimize")
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ValueError("zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' "
-                         "section; give only one (remove the section, or the optimizer argument)")
+    if optimizer is not None and cfg.optimizer is not None:  # DeepSpeed too steps the client's optimizer
+        warnings.warn(f"zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' section "
+                      f"(type {cfg.optimizer.type!r}): the passed optimizer is used and the section is ignored; "
+                      "remove one of them to silence this", UserWarning, stacklevel=2)
     groups = _param_groups(model, model_parameters)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = build_engine(model, cfg, optimizer, groups, lr_scheduler=lr_scheduler, training_dataloader=loader)
