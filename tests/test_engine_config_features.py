@@ -77,3 +77,133 @@ def test_sum_is_refused_at_stage_3_before_anything_is_built():
     with pytest.raises(ConfigError, match="not supported with ZeRO stage 3"):
         zero_ext.initialize(model=MLP(), config={"train_batch_size": 2, "gradient_allreduce_op": "sum",
                                                  "zero_optimization": {"stage": 3}})
+
+
+# -- DeepSpeed's exception types --------------------------------------------------------------------------
+# Where DeepSpeed raises AssertionError or ZeRORuntimeException, ours derive from them (and still from what
+# zero_ext raised before), keeping zero_ext's messages.
+
+
+def _config(**extra):
+    return {"train_micro_batch_size_per_gpu": 2, **extra}
+
+
+def test_initialize_without_a_model_is_an_assertion_error():
+    import zero_ext
+
+    with pytest.raises(AssertionError, match="model is required"):
+        zero_ext.initialize(model=None, config=_config())
+
+
+def test_untested_zero_optimizer_is_an_assertion_error():
+    import zero_ext
+
+    model = MLP()
+    with pytest.raises(AssertionError, match="untested ZeRO optimizer") as info:
+        zero_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            config=_config(zero_optimization={"stage": 2}))
+    assert isinstance(info.value, ValueError)
+
+
+def test_client_optimizer_with_offload_is_a_zero_runtime_exception():
+    import zero_ext
+    from zero_ext.runtime.zero.utils import ZeRORuntimeException
+
+    model = MLP()
+    config = _config(zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})
+    with pytest.raises(ZeRORuntimeException, match="zero_force_ds_cpu_optimizer"):
+        zero_ext.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()), config=config)
+    engine, *_ = zero_ext.initialize(model=model, optimizer=torch.optim.Adam(model.parameters()),
+                                     config={**config, "zero_force_ds_cpu_optimizer": False})
+    engine.destroy()
+
+
+def test_config_errors_are_assertion_errors_too():
+    from zero_ext.config import ConfigError, load_config
+
+    with pytest.raises(AssertionError, match="multiple of 2") as info:
+        load_config(_config(zero_optimization={"stage": 2, "allgather_bucket_size": 5}))
+    assert isinstance(info.value, ConfigError) and isinstance(info.value, ValueError)
+
+
+def test_forward_only_engine_backward_and_step_are_assertion_errors():
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config())
+    loss = engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0)))
+    with pytest.raises(AssertionError, match="has no optimizer"):
+        engine.backward(loss)
+    with pytest.raises(AssertionError, match="has no optimizer"):
+        engine.step()
+
+
+def test_no_sync_misuse_is_an_assertion_error():
+    import zero_ext
+
+    cfg = _config(optimizer={"type": "AdamW"})
+    engine, *_ = zero_ext.initialize(model=MLP(), config={**cfg, "zero_optimization": {"stage": 2}})
+    with pytest.raises(AssertionError, match="incompatible with ZeRO stage 2"):
+        with engine.no_sync():
+            pass
+    engine, *_ = zero_ext.initialize(model=MLP(), config=cfg)
+    with engine.no_sync():
+        with pytest.raises(AssertionError, match="nesting it is not supported"):
+            with engine.no_sync():
+                pass
+        engine.backward(engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0))))
+        with pytest.raises(AssertionError, match="inside engine.no_sync"):
+            engine.step()
+    assert not engine._no_sync  # the refused inner block left the outer one in force until its end
+
+
+def test_scheduler_over_another_optimizer_is_an_assertion_error():
+    import zero_ext
+
+    model = MLP()
+    other = torch.optim.Adam(MLP().parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(other, lambda s: 1.0)
+    with pytest.raises(AssertionError, match="schedules another optimizer"):
+        zero_ext.initialize(model=model, config=_config(optimizer={"type": "AdamW"}), lr_scheduler=sched)
+    mine = torch.optim.Adam(model.parameters())
+    engine, _, _, got = zero_ext.initialize(model=model, optimizer=mine, config=_config(),
+                                            lr_scheduler=torch.optim.lr_scheduler.LambdaLR(mine, lambda s: 1.0))
+    assert got.optimizer is mine
+
+
+def _unused_parameter():
+    import zero_ext
+
+    model = MLP()
+    config = _config(optimizer={"type": "AdamW"},
+                     zero_optimization={"stage": 2, "ignore_unused_parameters": False})
+    engine, *_ = zero_ext.initialize(model=model, config=config)
+    x, _ = MLP.batch(2, torch.Generator().manual_seed(0))
+    try:  # the head is not used: its parameters get no gradient
+        engine.backward(torch.tanh(engine.module.body(torch.tanh(engine.module.frozen(x)))).sum())
+        engine.step()
+    except AssertionError as exc:
+        return isinstance(exc, RuntimeError), str(exc)
+    return None
+
+
+def test_unused_parameter_is_an_assertion_error_naming_the_key():
+    is_runtime, message = run_ranks(1, _unused_parameter)[0]
+    assert is_runtime and "ignore_unused_parameters" in message
+
+
+def _tags_differ():
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(optimizer={"type": "AdamW"},
+                                                                 checkpoint={"tag_validation": "FAIL"}))
+    import tempfile
+
+    try:
+        engine.save_checkpoint(tempfile.mkdtemp(), tag=f"tag-{torch.distributed.get_rank()}")
+    except AssertionError as exc:
+        return "tags differ" in str(exc)
+    return False
+
+
+def test_checkpoint_tags_that_differ_under_fail_are_an_assertion_error():
+    assert run_ranks(2, _tags_differ) == [True, True]

@@ -28,6 +28,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import comm
 from .checkpoint.engine_state import check_all_ranks_call, load_checkpoint, save_checkpoint
 from .checkpoint.files import atomic_torch_save
+from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
@@ -122,7 +123,7 @@ class ZeroEngine(torch.nn.Module):
         """Moves ``phase`` along TRANSITIONS, or raises the lifecycle error for ``what`` (the call)."""
         after = TRANSITIONS[event].get(self.phase)
         if after is None:
-            raise RuntimeError(self._misuse(event, what))
+            raise EngineUsageError(self._misuse(event, what))
         self.phase = after
 
     def _misuse(self, event: str, what: str) -> str:
@@ -149,7 +150,7 @@ class ZeroEngine(torch.nn.Module):
         self._advance("read_gradients", what)
         stage = self.zero_optimization_stage()
         if stage < 2 and not self.is_gradient_accumulation_boundary():
-            raise RuntimeError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
+            raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
                                "gradient-accumulation boundary; call it after the backward of the last micro step "
                                "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
         self.optimizer.ensure_reduced()
@@ -208,19 +209,21 @@ class ZeroEngine(torch.nn.Module):
         """Nothing runs on a destroyed engine: its hooks, optimizer state and buffers are gone (a stage-3
         model is still partitioned, and would fail deep inside torch)."""
         if self.phase is StepPhase.DESTROYED:
-            raise RuntimeError(self._misuse(what, f"engine.{what}"))
+            raise EngineUsageError(self._misuse(what, f"engine.{what}"))
 
     def _require_optimizer(self, what: str) -> None:
         if self.phase in (StepPhase.DESTROYED, StepPhase.FORWARD_ONLY):
-            raise RuntimeError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
+            raise EngineUsageError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip gradient reduction (DeepSpeed's API). Stages 0/1 reduce only at
         the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+            raise EngineUsageError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                                "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only)")
+        if self._no_sync:  # (the inner block's exit would end the outer one)
+            raise EngineUsageError("engine.no_sync(): already inside no_sync(); nesting it is not supported")
         self._no_sync = True
         try:
             yield
@@ -239,7 +242,7 @@ class ZeroEngine(torch.nn.Module):
     def _require_loaded(self, what: str, kinds=None) -> None:
         parked = sorted(k.value for k in self._offloaded if kinds is None or k.value in kinds)
         if parked:
-            raise RuntimeError(f"engine.{what}: {', '.join(parked)} are offloaded to host memory; call "
+            raise EngineUsageError(f"engine.{what}: {', '.join(parked)} are offloaded to host memory; call "
                                "engine.reload_states() first")
 
     # -- training ---------------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ class ZeroEngine(torch.nn.Module):
             comm.all_reduce(flag, op=comm.ReduceOp.MAX)
             found = bool(flag.item())
         if found:
-            raise RuntimeError("engine.step(): the parameters have gradients, but engine.backward() was not called "
+            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
                                "since the last step: call engine.backward(loss) instead of loss.backward(). The "
                                "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
                                "there; gradients from a plain loss.backward() would be applied wrongly")
@@ -310,7 +313,7 @@ class ZeroEngine(torch.nn.Module):
     def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
         if self._no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
+            raise EngineUsageError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
                                "must be reduced before a step)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):

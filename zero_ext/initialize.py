@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import comm
 from .build import build_engine
 from .config import ConfigError, load_config, reject_unimplemented
+from .config.errors import InitializeArgumentError
 from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
 from .engine import ZeroEngine
 
@@ -31,7 +32,7 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     distributed sampler and the micro batch size.
     """
     if model is None:
-        raise ValueError("zero_ext.initialize: model is required (pass model=your_module)")
+        raise InitializeArgumentError("zero_ext.initialize: model is required (pass model=your_module)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.initialize: model must be a torch.nn.Module, not {type(model).__name__}")
     if mpu is not None or mesh_param is not None:

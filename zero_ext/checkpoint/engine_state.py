@@ -157,6 +157,10 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     return True
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """checkpoint.tag_validation "FAIL": the ranks passed different tags (DeepSpeed asserts)."""
+
+
 def _validate_tag(engine, tag: str) -> None:
     mode = engine.config.checkpoint.tag_validation
     if mode == "IGNORE" or engine.world_size == 1:
@@ -166,7 +170,7 @@ def _validate_tag(engine, tag: str) -> None:
     if len(set(tags)) > 1:
         msg = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
         if mode == "FAIL":
-            raise CheckpointError(msg)
+            raise TagMismatchError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 

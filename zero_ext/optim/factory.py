@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..config import ConfigError
+from ..config.errors import ClientOptimizerError, InitializeArgumentError
 from ..config.optim_params import ADAGRAD_TORCH_ONLY
 from ..ops._optimizer import CPUOptimizer
 from ..ops.adagrad import CPUAdagrad
@@ -90,7 +91,7 @@ def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: 
     ``zero_force_ds_cpu_optimizer`` is false (the client optimizer then steps host tensors)."""
     name = type(base).__name__
     if force_ds_cpu_optimizer and name not in CPU_OPTIMIZERS:
-        raise ConfigError(
+        raise ClientOptimizerError(
             f"zero_optimization.offload_optimizer is on with a client optimizer ({name}), which would step "
             "the offloaded fp32 state slowly in host memory. Use zero_ext.ops.adam.CPUAdam (DeepSpeedCPUAdam), "
             "or give an 'optimizer' section in the config (the engine then builds the C optimizer); to use "
@@ -115,7 +116,7 @@ def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested
         return
     name = type(base).__name__
     if name not in ZERO_SUPPORTED_OPTIMIZERS:
-        raise ValueError(
+        raise InitializeArgumentError(
             f"zero_ext.initialize: {name} is an untested ZeRO optimizer: ZeRO steps it on flat partitions of "
             "the parameters, which is only right for element-wise optimizers (Adam, AdamW, Adagrad, Lion). "
             'Add "zero_allow_untested_optimizer": true to the config to use it anyway.')

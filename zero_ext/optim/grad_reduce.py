@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config.errors import EngineUsageError
 from .._native import planner
 from .flat_group import FlatGroup
 
@@ -139,7 +140,7 @@ class StreamingReducer:
 
     def check_unused(self, unused: List[str]) -> None:
         if unused and not self.ignore_unused:
-            raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
+            raise EngineUsageError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
                                f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
                                "allow parameters unused in a step.")
 
