@@ -207,3 +207,60 @@ def _tags_differ():
 
 def test_checkpoint_tags_that_differ_under_fail_are_an_assertion_error():
     assert run_ranks(2, _tags_differ) == [True, True]
+
+
+# -- wall_clock_breakdown -----------------------------------------------------------------------------------
+
+TIMERS = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+
+
+def _timed_run(stage, gas, steps_per_print, micro_steps):
+    import io
+    from contextlib import redirect_stdout
+
+    import zero_ext
+
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas, "wall_clock_breakdown": True,
+              "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage}}
+    if steps_per_print is not None:
+        config["steps_per_print"] = steps_per_print
+    engine, *_ = zero_ext.initialize(model=MLP(), config=config)
+    gen, out, snapshots = torch.Generator().manual_seed(0), io.StringIO(), []
+    with redirect_stdout(out):
+        for _ in range(micro_steps):
+            engine.backward(engine(MLP.batch(2, gen)[0]).pow(2).mean())
+            engine.step()
+            snapshots.append(engine.get_wall_clock_timers())
+    return out.getvalue().splitlines(), snapshots
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_wall_clock_breakdown_prints_deepspeeds_lines_at_steps_per_print(stage):
+    # gas 2, steps_per_print 2: 8 micro steps = 4 optimizer steps, printed after the 2nd and 4th
+    ranks = run_ranks(2, _timed_run, stage, 2, 2, 8)
+    lines, snapshots = ranks[0]
+    assert ranks[1][0] == []  # rank 0 prints
+    assert len(lines) == 4 and all(line.startswith("time (ms) | ") for line in lines)
+    micro = [f"{t}_microstep" for t in TIMERS]
+    for line, names in zip(lines, [micro, TIMERS] * 2):
+        fields = [f.split(": ") for f in line.split(" | ")[1:]]
+        assert [n for n, _ in fields] == list(names) and all(float(v) >= 0 for _, v in fields)
+    last = snapshots[-1]
+    assert set(last) == set(micro) | set(TIMERS)
+    assert last["fwd_microstep"] > 0 and last["bwd_microstep"] >= last["bwd_inner_microstep"] > 0
+    assert last["step_microstep"] > 0 and all(s["bwd_allreduce"] >= 0 for s in snapshots)
+    assert any(s["bwd_allreduce"] > 0 for s in snapshots)  # the reducer's work is timed at every stage
+
+
+def test_wall_clock_breakdown_without_steps_per_print_prints_every_optimizer_step():
+    lines, snapshots = run_ranks(1, _timed_run, 0, 1, None, 3)[0]
+    assert len(lines) == 6 and len(snapshots) == 3
+
+
+def test_wall_clock_breakdown_off_prints_nothing_and_has_no_timers():
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(optimizer={"type": "AdamW"}))
+    engine.backward(engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0))))
+    engine.step()
+    assert engine.get_wall_clock_timers() == {}

@@ -82,6 +82,11 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         raise
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
+        for name in ("reduce", "finish_backward"):
+            if hasattr(made.zopt.reducer, name):
+                setattr(made.zopt.reducer, name, engine.wall_clock.timed("bwd_allreduce",
+                                                                         getattr(made.zopt.reducer, name)))
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d; CPU collectives on %s",
                 cfg.zero_optimization.stage, cfg.precision, world, cfg.train_batch_size,
                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world, comm.transport())

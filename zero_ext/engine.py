@@ -32,6 +32,7 @@ from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.wall_clock import WallClock
 from .zero import GatheredParameters
 from .zero.param import zero_param_of
 
@@ -114,6 +115,7 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer = optimizer
         self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
+        self.wall_clock = WallClock(config.wall_clock_breakdown, config.steps_per_print, self.global_rank)
         for key in [module] + (optimizer.params() if optimizer is not None else []):
             _ENGINE_OF[key] = weakref.ref(self)
 
@@ -200,7 +202,8 @@ class ZeroEngine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
-        out = self.module(*args, **kwargs)
+        with self.wall_clock.phase("fwd"):
+            out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
             comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)
         return out
@@ -250,6 +253,10 @@ class ZeroEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagates ``loss`` divided by the accumulation steps (and, in fp16, multiplied by the
         loss scale); returns the loss divided by the accumulation steps."""
+        with self.wall_clock.phase("bwd"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool):
         self._require_optimizer("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects the scalar loss tensor, got "
@@ -273,7 +280,8 @@ class ZeroEngine(torch.nn.Module):
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        with self.wall_clock.phase("bwd_inner"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._advance("backward", "engine.backward")
         return loss
 
@@ -305,8 +313,11 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """One micro step; at the accumulation boundary also the optimizer step."""
+        steps = self.global_steps
         try:
-            self._step(lr_kwargs)
+            with self.wall_clock.phase("step"):
+                self._step(lr_kwargs)
+            self.wall_clock.end_micro_step(self.global_steps > steps, self.global_steps)
         finally:  # the backend threads let go of this step's tensors ([Note: the exit race], comm/outstanding.py)
             comm.settle()
 
@@ -350,6 +361,10 @@ class ZeroEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters (False between boundaries and on overflow)."""
         return self._step_applied
+
+    def get_wall_clock_timers(self) -> Dict[str, float]:
+        """wall_clock_breakdown's timers (DeepSpeed's names, ms) as of the last step(); {} when off."""
+        return self.wall_clock.snapshot()
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None

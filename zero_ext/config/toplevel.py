@@ -87,7 +87,12 @@ class DeepSpeedConfig(ConfigModel):
     # -- logging / data --------------------------------------------------------------------------
     steps_per_print: Optional[Int] = option(
         None, "Log progress every N optimizer steps (null or Infinity: never).", ge=1)
-    wall_clock_breakdown: bool = option(False, "Time forward/backward/step and log it.")
+    wall_clock_breakdown: bool = option(
+        False, "Time forward, backward (autograd pass, gradient reduction) and step; rank 0 prints "
+        "DeepSpeed's `time (ms) | fwd: ...` lines every steps_per_print optimizer steps (every step "
+        "when unset); engine.get_wall_clock_timers() returns them.",
+        ds_note="DeepSpeed prints the micro-step line at every step() call and the global line at "
+        "every optimizer step.")
     dataloader_drop_last: bool = option(
         False, "The engine's data loader drops the last incomplete batch.")
     graph_harvesting: bool = option(False, "Capture the step in CUDA graphs.")

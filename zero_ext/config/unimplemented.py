@@ -75,7 +75,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "checkpoint.parallel_write.pipeline_stage": "pipeline-parallel checkpoint writing",
     "checkpoint.checkpoint_serialization": "legacy (non-zipfile) checkpoint serialization",
     "checkpoint.writer": "the fast checkpoint writer",
-    "wall_clock_breakdown": "wall-clock timing breakdown",
     "dataloader_drop_last": "the engine's data loader",
     "graph_harvesting": "CUDA-graph capture",
     "use_data_before_expert_parallelism": "expert parallelism",
