@@ -31,8 +31,6 @@ CASES = {
     "zero_optimization.mics_hierarchical_params_gather": (
         {"zero_optimization": {**Z3, "mics_hierarchical_params_gather": True}}, True),
     "zero_optimization.zenflow": ({"zero_optimization": {"stage": 2, "zenflow": {}}}, None),
-    "zero_optimization.pipeline_loading_checkpoint": (
-        {"zero_optimization": {**Z3, "pipeline_loading_checkpoint": True}}, True),
     "zero_optimization.memory_efficient_linear": (
         {"zero_optimization": {**Z3, "memory_efficient_linear": False}}, False),
     "zero_optimization.module_granularity_threshold": (

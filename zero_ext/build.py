@@ -207,7 +207,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
         return None  # a forward-only engine (e.g. a reference model)
     if optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
-        base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer))
+        base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),
+                               nvme=plan.optimizer_device == "nvme")
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         check_client_params(model, base)

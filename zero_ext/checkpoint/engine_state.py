@@ -32,6 +32,7 @@ from ..comm import collective_check
 from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
                     find_tag_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
                     staging_dir, verified_load)
+from .serial_load import in_local_turns
 from .zero_to_fp32 import param_values, piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
@@ -255,14 +256,26 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
         return state, saved, shards
 
-    state, saved, shards = _on_every_rank(engine, read)
-    _load_module(engine, state, load_module_strict, saved, shards)
-    opt = engine.optimizer
-    if shards is not None:
-        _load_masters(engine, saved, shards)
-        if with_optimizer:
-            _load_optimizer_state(engine, saved, shards)
+    def apply(state, saved, shards):
+        _load_module(engine, state, load_module_strict, saved, shards)
+        if shards is not None:
+            _load_masters(engine, saved, shards)
+            if with_optimizer:
+                _load_optimizer_state(engine, saved, shards)
+
+    if engine.config.zero_optimization.pipeline_loading_checkpoint:  # one rank of a host at a time
+        def read_and_apply():
+            state, saved, shards = read()
+            apply(state, saved, shards)
+            return state, saved, None  # (the shards are freed before the next rank's turn)
+
+        done, error = in_local_turns(engine.world_size, read_and_apply)
+        state, saved, shards = _on_every_rank(engine, lambda: _raise_or(done, error))
     else:
+        state, saved, shards = _on_every_rank(engine, read)
+        apply(state, saved, shards)
+    opt = engine.optimizer
+    if not (with_optimizer or saved["stage"] == 3):
         for g in opt.flat_groups:  # rebuild the fp32 masters from the loaded weights, as DeepSpeed does
             with torch.no_grad():
                 g.master.copy_(g.flat[g.lo:g.hi])
@@ -276,6 +289,15 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if engine.world_size > 1:
         comm.barrier()
     return tag_dir, client_state
+
+
+def _raise_or(result, error):
+    """A serial load's outcome: every failure becomes a CheckpointError, which _on_every_rank agrees on."""
+    if isinstance(error, (CheckpointError, OSError)):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"{type(error).__name__}: {error}") from error
+    return result
 
 
 def _on_every_rank(engine, read):

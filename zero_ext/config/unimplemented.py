@@ -34,7 +34,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.mics_shard_size": "MiCS sharding",
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical all-gather",
     "zero_optimization.zenflow": "ZenFlow",
-    "zero_optimization.pipeline_loading_checkpoint": "serialized checkpoint loading",
     "zero_optimization.memory_efficient_linear": "turning off the memory-efficient linear",
     "zero_optimization.module_granularity_threshold": "automatic leaf modules by granularity",
     "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",

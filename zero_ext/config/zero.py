@@ -135,7 +135,8 @@ class ZeroConfig(ConfigModel):
         True, "zero.Init swaps F.linear for a variant that keeps no gathered weight for "
         "backward.", stage3_only=True)
     pipeline_loading_checkpoint: bool = option(
-        False, "Load checkpoints one local rank at a time (stage 3 only).")
+        False, "Stage 3: the ranks of a host load a checkpoint one after another (local-rank order), "
+        "each freeing its files before the next starts: one rank's files in host memory at a time.")
     override_module_apply: bool = option(
         True, "Accepted; zero.Init needs no Module.apply patch (writes after partitioning are exact).",
         stage3_only=True)

@@ -247,7 +247,8 @@ class ZeroOptimizer:
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
         if not is_cpu_optimizer(self.optimizer):
             raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
-                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (or pass CPUAdam)")
+                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (torch_adam too), or "
+                              "pass CPUAdam")
         self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
         base = self.optimizer
         for k, g in enumerate(self.flat_groups):
