@@ -264,3 +264,83 @@ def test_wall_clock_breakdown_off_prints_nothing_and_has_no_timers():
     engine.backward(engine.module.loss(MLP.batch(2, torch.Generator().manual_seed(0))))
     engine.step()
     assert engine.get_wall_clock_timers() == {}
+
+
+# -- bf16 with data_types.grad_accum_dtype fp32 at ZeRO-1 ---------------------------------------------------
+# DeepSpeed's BF16 optimizer: each micro step's bf16 gradients are added into a full fp32 buffer, which is
+# averaged across ranks in fp32 at the boundary. The reference below does exactly that on one process with
+# zero_ext's CPUAdam (the optimizer the engine runs on CPU tensors); two ranks' fp32 sums are exact in either
+# order, so the masters must be equal bit for bit.
+
+GAS = 4
+
+
+def _bf16_batches(world):
+    gen = torch.Generator().manual_seed(5)
+    return [[[MLP.batch(2, gen, torch.bfloat16) for _ in range(world)] for _ in range(GAS)] for _ in range(STEPS)]
+
+
+def _bf16_run(accum):
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.0,
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    if accum:
+        config["data_types"] = {"grad_accum_dtype": accum}
+    engine, *_ = zero_ext.initialize(model=MLP(), config=config)
+    for step in _bf16_batches(world):
+        for micro in step:
+            engine.backward(engine.module.loss(micro[rank]))
+            engine.step()
+    return {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+
+
+def _bf16_fp32_accum_reference(world):
+    from zero_ext.ops import CPUAdam
+
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    masters = [p.detach().float().clone() for _, p in trained]
+    opt = CPUAdam(masters, lr=1e-3, weight_decay=0.01, adamw_mode=True)
+    for step in _bf16_batches(world):
+        acc = [[torch.zeros_like(m) for m in masters] for _ in range(world)]
+        for micro in step:
+            for r in range(world):
+                model.zero_grad()
+                (model.loss(micro[r]) / GAS).backward()
+                for a, (_, p) in zip(acc[r], trained):
+                    a.add_(p.grad)
+        for m, *per_rank in zip(masters, *acc):
+            total = per_rank[0].clone()
+            for a in per_rank[1:]:
+                total.add_(a)
+            m.grad = total.mul_(1.0 / world) if world > 1 else total
+        opt.step()
+        with torch.no_grad():
+            for m, (_, p) in zip(masters, trained):
+                p.copy_(m)
+    return {n: m for m, (n, _) in zip(masters, trained)}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_grad_accum_fp32_at_stage_1_accumulates_in_fp32(world):
+    want = _bf16_fp32_accum_reference(world)
+    got = run_ranks(world, _bf16_run, "fp32")[0]
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    if world == 1:  # bf16 accumulation (the default) gives other masters: the test tells them apart
+        plain = run_ranks(1, _bf16_run, None)[0]
+        assert any(not torch.equal(plain[n], want[n]) for n in want)
+
+
+def test_grad_accum_dtype_fp32_with_bf16_at_stage_0_is_refused():
+    import zero_ext
+    from zero_ext.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grad_accum_dtype"):
+        zero_ext.initialize(model=MLP(), config={"train_batch_size": 2, "bf16": {"enabled": True},
+                                                 "data_types": {"grad_accum_dtype": "fp32"}})

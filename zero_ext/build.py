@@ -257,11 +257,11 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                 group["params"] = []
                 continue
             g = FlatGroup(trainable, world, rank, partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2,
-                          device=device, host=host)
+                          device=device, host=host, accum_fp32=cfg.data_types.grad_accum_dtype == "fp32")
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
-        averaging = _averaging(cfg, world, flat[0].dtype)
+        averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype)
         if zc.stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
                                     rank, world, zc.ignore_unused_parameters, averaging)

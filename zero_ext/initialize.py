@@ -62,17 +62,19 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
 
 def _check_grad_accum_dtype(cfg) -> None:
     """Stage 2 accumulates gradients in fp32 partitions; stages 0/1 in the model's dtype (as DeepSpeed's
-    stage 1 does). data_types.grad_accum_dtype may name what happens, nothing else yet."""
+    stage 1 does), except bf16 at stage 1 with grad_accum_dtype fp32, which accumulates in a full fp32
+    buffer (DeepSpeed's BF16 optimizer). data_types.grad_accum_dtype may name what happens."""
     want = cfg.data_types.grad_accum_dtype
     if want is None:
         return
     stage = cfg.zero_optimization.stage
-    actual = "fp32" if stage == 2 else cfg.precision
+    bf16_fp32 = stage == 1 and cfg.precision == "bf16" and want == "fp32"
+    actual = "fp32" if stage == 2 or bf16_fp32 else cfg.precision
     if want != actual:
         raise ConfigError(
             f"data_types.grad_accum_dtype = {want!r}: ZeRO stage {stage} with {cfg.precision} parameters "
             f"accumulates gradients in {actual}, and zero_ext implements no other choice yet; remove the key"
-            + (" or use ZeRO stage 2, which accumulates in fp32" if want == "fp32" else ""))
+            + (" or use ZeRO stage 2 (or stage 1 with bf16), which accumulate in fp32" if want == "fp32" else ""))
 
 
 def _config_source(args, config, config_params):
