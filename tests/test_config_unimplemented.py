@@ -33,8 +33,6 @@ CASES = {
     "zero_optimization.zenflow": ({"zero_optimization": {"stage": 2, "zenflow": {}}}, None),
     "zero_optimization.memory_efficient_linear": (
         {"zero_optimization": {**Z3, "memory_efficient_linear": False}}, False),
-    "zero_optimization.module_granularity_threshold": (
-        {"zero_optimization": {**Z3, "stage3_module_granularity_threshold": 100}}, 100),
     "zero_optimization.use_all_reduce_for_fetch_params": (
         {"zero_optimization": {**Z3, "use_all_reduce_for_fetch_params": True}}, True),
     "zero_optimization.allgather_sequential": (

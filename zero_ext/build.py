@@ -43,7 +43,7 @@ from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .zero import ZeroModel, unpartition
-from .zero.leaf import apply_leaf_config
+from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
 
 logger = logging.getLogger("zero_ext")
@@ -188,6 +188,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     zc = cfg.zero_optimization
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
+    set_leaf_modules_by_granularity(model, zc.module_granularity_threshold)
     # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
     # costs one small all-gather per fetch, per prefetch batch once the fetch order is recorded:
     # ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off

@@ -35,7 +35,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical all-gather",
     "zero_optimization.zenflow": "ZenFlow",
     "zero_optimization.memory_efficient_linear": "turning off the memory-efficient linear",
-    "zero_optimization.module_granularity_threshold": "automatic leaf modules by granularity",
     "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",
     "zero_optimization.allgather_sequential": "sequential parameter all-gather",
     "zero_optimization.round_robin_gradients": "round-robin gradient partitioning",

@@ -99,8 +99,8 @@ class ZeroConfig(ConfigModel):
         False, "save_16bit_model() gathers the full 16-bit weights before saving.",
         aliases=("stage3_gather_16bit_weights_on_model_save",), stage3_only=True)
     module_granularity_threshold: Int = option(
-        0, "Modules with parameters/(1 + descendants) below this are fetched as one unit "
-        "(0: off).", ge=0, le=MAX_ELEMENTS, aliases=("stage3_module_granularity_threshold",),
+        0, "Modules whose parameter elements per layer (itself and the torch leaf modules below it) are "
+        "at most this become leaf modules, fetched as one unit; outermost first (0: off).", ge=0, le=MAX_ELEMENTS, aliases=("stage3_module_granularity_threshold",),
         stage3_only=True)
     use_all_reduce_for_fetch_params: bool = option(
         False, "Fetch parameters with an all-reduce of zero-padded buffers instead of "
