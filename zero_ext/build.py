@@ -39,6 +39,7 @@ from .optim.factory import (build_optimizer, check_client_optimizer, check_clien
 from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import scaler_from_config
+from .optim.muon import MuonWithAuxAdam, muon_param_groups
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
@@ -206,7 +207,9 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
 def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optional[torch.optim.Optimizer]:
     if optimizer is None and cfg.optimizer is None:
         return None  # a forward-only engine (e.g. a reference model)
-    if optimizer is None:
+    if optimizer is None and cfg.optimizer.type == "muon":  # Muon's matrices and Adam's rest (optim/muon.py)
+        base = MuonWithAuxAdam(muon_param_groups(model, groups, cfg.optimizer.params))
+    elif optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
         base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),
                                nvme=plan.optimizer_device == "nvme")

@@ -188,6 +188,9 @@ class DeepSpeedConfig(ConfigModel):
             problems.append(("optimizer.type", self.optimizer.type,
                              "is not compatible with ZeRO (stage >= 1); DeepSpeed refuses it "
                              "too"))
+        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled:
+            problems.append(("optimizer.type", "muon", "Muon with fp16 loss scaling is not supported (the "
+                             "orthogonalized update does not scale with the loss); use bf16 or fp32"))
         if self.optimizer is not None and self.optimizer.type == "adagrad":
             oc = self.zero_optimization.offload_optimizer
             offloaded = oc is not None and oc.device != "none" and self.zero_optimization.stage > 0

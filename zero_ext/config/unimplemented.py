@@ -58,7 +58,7 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     # -- optimizer, scheduler, gradients ---------------------------------------------------------
     "optimizer.type": {"reason": "this DeepSpeed optimizer",
                        "values": ["lamb", "onebitadam", "zerooneadam", "onebitlamb",
-                                  "muon", "muadam", "muadamw", "musgd"]},
+                                  "muadam", "muadamw", "musgd"]},
     "optimizer.legacy_fusion": "the legacy fused fp16 optimizer",
     "prescale_gradients": "gradient pre-scaling",
     "gradient_predivide_factor": "gradient pre-division",

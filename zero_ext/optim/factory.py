@@ -114,7 +114,7 @@ def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
 # give the same result on a flat partition as on the parameters. Others need
 # zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
 ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam",
-                             "TorchStepped")
+                             "TorchStepped", "MuonWithAuxAdam")
 
 
 def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:

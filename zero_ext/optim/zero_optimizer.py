@@ -128,6 +128,9 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """One optimizer step; False when it was skipped for an fp16 overflow."""
         self.ensure_reduced()
+        prepare = getattr(self.optimizer, "zero_prepare_step", None)
+        if prepare is not None:  # Muon: its groups' gradients become the orthogonalized updates (optim/muon.py)
+            prepare(self)
         scale = self.loss_scaler.cur_scale
         norm = math.sqrt(self.grad_sq_norm()) / scale
         self.global_grad_norm = norm
