@@ -149,3 +149,43 @@ def test_groups_take_muon_lr_and_adam_lr_over_lr():
     muon, adam = groups
     assert (muon["lr"], muon["momentum"], muon["ns_method"], len(muon["params"])) == (0.05, 0.9, "gram", 2)
     assert (adam["lr"], adam["betas"], adam["eps"], len(adam["params"])) == (0.1, (0.8, 0.9), 1e-10, 4)
+
+
+def _resume(stage, tmp, phase, offload):
+    """Trains STEPS steps of the 2-rank batches (1 rank: as 2 accumulated micro steps); "save"
+    checkpoints after 2, "load" starts from that checkpoint (the momentum buffers and Adam state come
+    from it) and trains the rest."""
+    import zero_ext
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    torch.manual_seed(0)
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}),
+            **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": zero,
+              "gradient_accumulation_steps": 2 // world, "optimizer": {"type": "Muon", "params": {"lr": LR}}}
+    engine, *_ = zero_ext.initialize(model=MuonNet(), config=config)
+    if phase == "load":
+        engine.load_checkpoint(tmp, tag="t")
+    for i, step in enumerate(_batches(2)):
+        if phase == "save" and i == 2:
+            engine.save_checkpoint(tmp, tag="t")
+        if phase == "load" and i < 2:
+            continue
+        for micro in ([step[rank]] if world == 2 else step):
+            engine.backward(engine.module.loss(micro))
+            engine.step()
+    return full_params(engine)
+
+
+@pytest.mark.parametrize("stage, offload", [(1, True), (2, False), (3, False)])
+def test_checkpoint_resume_carries_the_momentum(tmp_path, stage, offload):
+    straight = run_ranks(2, _resume, stage, str(tmp_path), "save", offload)[0]
+    resumed = run_ranks(2, _resume, stage, str(tmp_path), "load", offload)[0]
+    assert all(torch.equal(straight[n], resumed[n]) for n in straight)
+
+
+def test_checkpoint_reshards_the_muon_state_to_another_world_size(tmp_path):
+    # saved by 2 ranks (momentum partitioned in 2), resumed by 1 accumulating the same two micro batches
+    straight = run_ranks(2, _resume, 2, str(tmp_path), "save", False)[0]
+    resumed = run_ranks(1, _resume, 2, str(tmp_path), "load", False)[0]
+    assert _close(resumed, straight, 1e-5)

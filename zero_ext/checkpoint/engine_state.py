@@ -375,14 +375,18 @@ def _load_optimizer_state(engine, saved: Dict[str, Any], shards: _Shards) -> Non
     if shards.same:
         state = saved_sd["state"]
     else:
-        keys = [k for k, v in saved_sd["state"].get(0, {}).items() if torch.is_tensor(v) and v.dim() > 0]
+        # each group's own state keys (Muon: momentum_buffer in its group, Adam's moments in the other)
+        saved_state = [saved_sd["state"].get(i, {}) for i in range(len(saved["groups"]))]
+        tensor_keys = [{k for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0} for s in saved_state]
+        part_key = _partition_key(saved["stage"])
         rebuilt = {}
-        for k in keys:
-            per_rank = [[shards.osd(r)["base_optimizer_state"]["state"][i][k] for i in range(len(saved["groups"]))]
-                        for r in sorted(shards.files)]
+        for k in sorted(set().union(*tensor_keys)):
+            per_rank = [[osd["base_optimizer_state"]["state"][i][k] if k in tensor_keys[i] else
+                         torch.zeros_like(osd[part_key][i]) for i in range(len(saved["groups"]))]
+                        for osd in (shards.osd(r) for r in sorted(shards.files))]
             rebuilt[k] = layout_of.scatter(engine, param_values(saved, per_rank), masters)
-        scalars = {k: v for k, v in saved_sd["state"].get(0, {}).items() if k not in keys}
-        state = {i: {**scalars, **{k: rebuilt[k][i] for k in keys}} for i in range(len(masters))}
+        state = {i: {**{k: v for k, v in saved_state[i].items() if k not in tensor_keys[i]},
+                     **{k: rebuilt[k][i] for k in tensor_keys[i]}} for i in range(len(masters))}
     # this engine's param groups, with the saved hyper-parameters (lr, betas, ...) of each group
     index, groups = 0, []
     for here, there in zip(opt.optimizer.param_groups, saved_sd["param_groups"]):
