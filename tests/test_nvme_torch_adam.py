@@ -14,13 +14,14 @@ from helpers.models import MLP
 LR, STEPS = 1e-2, 4
 
 
-def _config(stage, path, sub_group_size):
+def _config(stage, path, sub_group_size, amsgrad=False):
     zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": path},
             "sub_group_size": sub_group_size}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True}},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01, "torch_adam": True,
+                                                      "amsgrad": amsgrad}},
             "zero_optimization": zero}
 
 
@@ -29,12 +30,12 @@ def _batches(world):
     return [[MLP.batch(2, gen) for _ in range(world)] for _ in range(STEPS)]
 
 
-def _engine_run(stage, path, sub_group_size):
+def _engine_run(stage, path, sub_group_size, amsgrad=False):
     import zero_ext
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     torch.manual_seed(0)
-    engine, opt, *_ = zero_ext.initialize(model=MLP(), config=_config(stage, path, sub_group_size))
+    engine, opt, *_ = zero_ext.initialize(model=MLP(), config=_config(stage, path, sub_group_size, amsgrad))
     kind = type(opt.optimizer).__name__
     for step in _batches(world):
         engine.backward(engine.module.loss(step[rank]))
@@ -44,10 +45,11 @@ def _engine_run(stage, path, sub_group_size):
     return out
 
 
-def _reference(world):
+def _reference(world, amsgrad=False):
     torch.manual_seed(0)
     model = MLP()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.01,
+                            amsgrad=amsgrad)
     for step in _batches(world):
         (sum(model.loss(b) for b in step) / world).backward()
         opt.step()
@@ -57,10 +59,11 @@ def _reference(world):
             {names[id(p)]: s["exp_avg_sq"] for p, s in opt.state.items()})
 
 
-@pytest.mark.parametrize("stage, sub_group_size", [(1, 1_000_000_000), (2, 60), (3, 100)])
-def test_one_rank_is_bit_exact_with_torch_adamw(tmp_path, stage, sub_group_size):
-    params, states, kind = run_ranks(1, _engine_run, stage, str(tmp_path), sub_group_size)[0]
-    want_params, want_states = _reference(1)
+@pytest.mark.parametrize("stage, sub_group_size, amsgrad", [(1, 1_000_000_000, False), (2, 60, False),
+                                                            (3, 100, False), (2, 60, True)])
+def test_one_rank_is_bit_exact_with_torch_adamw(tmp_path, stage, sub_group_size, amsgrad):
+    params, states, kind = run_ranks(1, _engine_run, stage, str(tmp_path), sub_group_size, amsgrad)[0]
+    want_params, want_states = _reference(1, amsgrad)
     assert kind == "TorchStepped"
     assert all(torch.equal(params[n], want_params[n]) for n in want_params)
     assert all(torch.equal(states[n].view_as(want_states[n]), want_states[n]) for n in want_states)
