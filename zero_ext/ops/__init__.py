@@ -14,6 +14,7 @@ Files:
 - functional.py: the C kernels as functions on lists of tensors; the thread and ISA controls.
 - device_math.py: the same updates with torch operations, for sub-groups kept on an accelerator.
 - quantize.py: block quantization (int8 / int4 with fp32 scales), ZeRO++'s wire formats, in C.
+- torch_stepped.py: TorchStepped, torch_adam's torch.optim.Adam(W) behind this interface (NVMe offload).
 """
 from .adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
 from .adam import CPUAdam, DeepSpeedCPUAdam
