@@ -194,45 +194,13 @@ struct sqnorm_ctx {
 	int src_dtype;
 };
 
-static inline float load_as_f32(const void *src, int64_t i, int dtype)
-{
-	if (dtype == ZX_F32)
-		return ((const float *)src)[i];
-	uint16_t h = ((const uint16_t *)src)[i];
-	if (dtype == ZX_BF16) {
-		uint32_t u = (uint32_t)h << 16;
-		float f;
-		memcpy(&f, &u, sizeof(f));
-		return f;
-	}
-	/* fp16: exact in fp32 */
-	uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
-	if (e == 0x1f)
-		u = sign | 0x7f800000u | (m << 13);
-	else if (e)
-		u = sign | ((e + 112) << 23) | (m << 13);
-	else if (!m)
-		u = sign;
-	else { /* subnormal: normalise */
-		int sh = 0;
-		while (!(m & 0x400u)) {
-			m <<= 1;
-			sh++;
-		}
-		u = sign | ((uint32_t)(113 - sh) << 23) | ((m & 0x3ffu) << 13);
-	}
-	float f;
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
 static void sqnorm_span_scalar(const void *ctx, const zx_optim_tensor *t, int64_t b, int64_t e,
 			       double *acc)
 {
 	const struct sqnorm_ctx *c = ctx;
 	double s = 0.0;
 	for (int64_t i = b; i < e; i++) {
-		float x = load_as_f32(t->grad, i, c->src_dtype);
+		float x = zx_load_f32(t->grad, i, c->src_dtype);
 		if (t->param)
 			t->param[i] = x;
 		s += (double)x * x;
@@ -241,16 +209,6 @@ static void sqnorm_span_scalar(const void *ctx, const zx_optim_tensor *t, int64_
 }
 
 #if ZX_HAVE_X86
-ZX_TARGET_AVX2 static inline __m256 load8_as_f32(const void *src, int64_t i, int dtype)
-{
-	if (dtype == ZX_F32)
-		return _mm256_loadu_ps((const float *)src + i);
-	__m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + i));
-	if (dtype == ZX_F16)
-		return _mm256_cvtph_ps(h);
-	return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 ZX_TARGET_AVX2 static inline __m256d sq_acc4(__m256d acc, __m128 x)
 {
 	__m256d d = _mm256_cvtps_pd(x);
@@ -264,7 +222,7 @@ ZX_TARGET_AVX2 static void sqnorm_span_avx2(const void *ctx, const zx_optim_tens
 	__m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
 	int64_t i = b;
 	for (; i + 8 <= e; i += 8) {
-		__m256 x = load8_as_f32(t->grad, i, c->src_dtype);
+		__m256 x = zx_load8_f32(t->grad, i, c->src_dtype);
 		if (t->param)
 			_mm256_storeu_ps(t->param + i, x);
 		a0 = sq_acc4(a0, _mm256_castps256_ps128(x));
@@ -274,23 +232,12 @@ ZX_TARGET_AVX2 static void sqnorm_span_avx2(const void *ctx, const zx_optim_tens
 	_mm256_storeu_pd(tmp, _mm256_add_pd(a0, a1));
 	double s = (tmp[0] + tmp[1]) + (tmp[2] + tmp[3]);
 	for (; i < e; i++) {
-		float x = load_as_f32(t->grad, i, c->src_dtype);
+		float x = zx_load_f32(t->grad, i, c->src_dtype);
 		if (t->param)
 			t->param[i] = x;
 		s += (double)x * x;
 	}
 	*acc += s;
-}
-
-ZX_TARGET_AVX512 static inline __m512 load16_as_f32(const void *src, int64_t i, int dtype,
-						    __mmask16 k)
-{
-	if (dtype == ZX_F32)
-		return _mm512_maskz_loadu_ps(k, (const float *)src + i);
-	__m256i h = _mm256_maskz_loadu_epi16(k, (const uint16_t *)src + i);
-	if (dtype == ZX_F16)
-		return _mm512_cvtph_ps(h);
-	return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 ZX_TARGET_AVX512 static inline __m512d sq_acc8(__m512d acc, __m256 x)
@@ -306,7 +253,7 @@ ZX_TARGET_AVX512 static void sqnorm_span_avx512(const void *ctx, const zx_optim_
 	__m512d a0 = _mm512_setzero_pd(), a1 = _mm512_setzero_pd();
 	for (int64_t i = b; i < e; i += 16) {
 		__mmask16 k = e - i >= 16 ? (__mmask16)0xffff : zx_tail_mask16(e - i);
-		__m512 x = load16_as_f32(t->grad, i, c->src_dtype, k);
+		__m512 x = zx_load16_f32(t->grad, i, c->src_dtype, k);
 		if (t->param)
 			_mm512_mask_storeu_ps(t->param + i, k, x);
 		a0 = sq_acc8(a0, _mm512_castps512_ps256(x));

@@ -55,6 +55,15 @@ ZX_EXPORT int zx_nccl_group_end(void);
 /* dst[i] = (dst type) src[i] for i < n, between ZX_F32, ZX_F16 and ZX_BF16 (round to nearest even). */
 ZX_EXPORT int zx_cuda_cast(const void *src, int src_dtype, void *dst, int dst_dtype, size_t n, void *stream);
 
+/* ---- kernels (kernels/quant.cu): csrc/quant.h's format (0 int8, 1 int4), the same integers and scales ---- */
+
+/* src (n elements of ZX_F32 / ZX_F16 / ZX_BF16) into q and scales (one per block of `block`). */
+ZX_EXPORT int zx_cuda_quantize(int format, int dtype, const void *src, long long n, long long block, void *q,
+			       float *scales, void *stream);
+/* q * s into dst of dtype (added to an fp32 dst with accumulate). */
+ZX_EXPORT int zx_cuda_dequantize(int format, const void *q, const float *scales, long long n, long long block,
+				 int dtype, void *dst, int accumulate, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

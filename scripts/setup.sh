@@ -17,7 +17,7 @@ fi
 # The other Python packages, by import name = pip name, each only if it does not import.
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
-need = {"pydantic": "pydantic>=2", "numpy": "numpy", "tqdm": "tqdm", "pytest": "pytest",
+need = {"pydantic": "pydantic>=2", "numpy": "numpy", "tqdm": "tqdm", "hjson": "hjson", "pytest": "pytest",
         "hypothesis": "hypothesis", "setuptools": "setuptools>=64", "wheel": "wheel"}
 print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF

@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from zero_ext.config import (ConfigDeprecationWarning, ConfigError, ConfigWarning, ZeroConfig,
-                             load_config)
+                             load_config, reject_unimplemented)
 from zero_ext.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 
 DS_ZERO_DEFAULTS = {
@@ -230,7 +230,6 @@ def test_nvme_optimizer_offload_is_allowed_at_stages_1_to_3(stage):
 @pytest.mark.parametrize("keys, path, words", [
     ({"stage": 2, "offload_optimizer": {"device": "cpu", "super_offload": True}},
      "offload_optimizer.super_offload", "stage 3"),
-    ({"stage": 3, "elastic_checkpoint": True}, "elastic_checkpoint", "universal"),
     ({"stage": 2, "pipeline_loading_checkpoint": True}, "pipeline_loading_checkpoint",
      "stage 3"),
     ({"stage": 1, "legacy_stage1": True}, "legacy_stage1", "removed"),
@@ -241,14 +240,23 @@ def test_stage_rules(keys, path, words):
     assert err.paths == [f"zero_optimization.{path}"] and words in str(err)
 
 
-@pytest.mark.parametrize("keys", [{"stage": 2, "elastic_checkpoint": True},
-                                  {"stage": 3, "allgather_bucket_size": 5},
+@pytest.mark.parametrize("keys", [{"stage": 3, "allgather_bucket_size": 5},
                                   {"stage": 3, "pipeline_loading_checkpoint": True}])
 def test_stage_rules_allow_the_other_stages(keys):
     assert load_quiet(zero(**keys)).zero_optimization.stage == keys["stage"]
 
 
 # -- deprecated keys -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_elastic_checkpoint_is_accepted_with_a_deprecation_warning(stage):
+    with pytest.warns(ConfigDeprecationWarning, match="elastic_checkpoint is deprecated and has no effect"):
+        cfg = load_config(zero(stage=stage, elastic_checkpoint=True))
+    reject_unimplemented(cfg)  # (nothing to refuse: checkpoints reshard natively)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(zero(stage=stage, elastic_checkpoint=False))  # false asks for nothing: silent
 
 
 @pytest.mark.parametrize("old, new, stage", [("cpu_offload", "offload_optimizer", 2),

@@ -39,12 +39,14 @@ from .optim.factory import (build_optimizer, check_client_optimizer, check_clien
 from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import scaler_from_config
+from .optim.muon import MuonWithAuxAdam, muon_param_groups
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .zero import ZeroModel, unpartition
-from .zero.leaf import apply_leaf_config
+from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
+from .zero.secondary import node_groups
 
 logger = logging.getLogger("zero_ext")
 
@@ -82,6 +84,11 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         raise
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
+        for name in ("reduce", "finish_backward"):
+            if hasattr(made.zopt.reducer, name):
+                setattr(made.zopt.reducer, name, engine.wall_clock.timed("bwd_allreduce",
+                                                                         getattr(made.zopt.reducer, name)))
     logger.info("zero_ext: stage %d, %s, world size %d, batch %d = %d x %d x %d; CPU collectives on %s",
                 cfg.zero_optimization.stage, cfg.precision, world, cfg.train_batch_size,
                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world, comm.transport())
@@ -183,16 +190,36 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     zc = cfg.zero_optimization
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
+    set_leaf_modules_by_granularity(model, zc.module_granularity_threshold)
     # the fixed-size agreement before every gather (a rank-dependent branch raises instead of hanging)
     # costs one small all-gather per fetch, per prefetch batch once the fetch order is recorded:
     # ZERO_EXT_CHECK_FETCH_ORDER=0 turns it off
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
+    hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
     return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
                      remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
-                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings)
+                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
+                     quantized_weights=zc.zero_quantized_weights, hpz=hpz,
+                     quantized_frozen=zc.zero_quantized_nontrainable_weights)
+
+
+def _hpz_groups(zc, plan: OffloadPlan, world: int):
+    """ZeRO++ hpZ's node groups: (this rank's group, its rank there, size), or None when off."""
+    size = zc.zero_hpz_partition_size
+    if size <= 1:
+        return None
+    if world % size:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size = {size} does not divide the {world} ranks: "
+                          "hpZ's secondary partition spans whole nodes; use a divisor of the world size")
+    if plan.param_remote_device is not None:
+        raise ConfigError("zero_optimization.zero_hpz_partition_size > 1 with offload_param: hpZ keeps a "
+                          "secondary copy of the parameters on the device, which offloading them removes; "
+                          "use one or the other")
+    found = node_groups(size, world, comm.get_rank(), comm.new_group)
+    return None if found is None else (*found, size)
 
 
 # -- 2. the base optimizer ------------------------------------------------------------------------------------
@@ -200,9 +227,12 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
 def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optional[torch.optim.Optimizer]:
     if optimizer is None and cfg.optimizer is None:
         return None  # a forward-only engine (e.g. a reference model)
-    if optimizer is None:
+    if optimizer is None and cfg.optimizer.type == "muon":  # Muon's matrices and Adam's rest (optim/muon.py)
+        base = MuonWithAuxAdam(muon_param_groups(model, groups, cfg.optimizer.params))
+    elif optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
-        base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer))
+        base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),
+                               nvme=plan.optimizer_device == "nvme")
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         check_client_params(model, base)
@@ -226,7 +256,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
 
 def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
     comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
-    return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor)
+    return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor,
+                     summed=cfg.gradient_allreduce_op == "sum")
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
@@ -238,8 +269,10 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
                                        on_group=on_group)
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
-                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters)
+                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
+                               quantized=zc.zero_quantized_gradients)
         after_step.append(zero_model.refresh_persistent)
+        after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:
         host = plan.host if plan.optimizer else None
         groups: List[Optional[FlatGroup]] = []
@@ -250,11 +283,11 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                 group["params"] = []
                 continue
             g = FlatGroup(trainable, world, rank, partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2,
-                          device=device, host=host)
+                          device=device, host=host, accum_fp32=cfg.data_types.grad_accum_dtype == "fp32")
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
-        averaging = _averaging(cfg, world, flat[0].dtype)
+        averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype)
         if zc.stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
                                     rank, world, zc.ignore_unused_parameters, averaging)

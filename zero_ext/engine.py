@@ -28,9 +28,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import activation_checkpointing, comm
 from .checkpoint.engine_state import check_all_ranks_call, load_checkpoint, save_checkpoint
 from .checkpoint.files import atomic_torch_save
+from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.wall_clock import WallClock
 from .zero import GatheredParameters
 from .zero.param import zero_param_of
 
@@ -113,6 +115,7 @@ class ZeroEngine(torch.nn.Module):
         self.optimizer = optimizer
         self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
+        self.wall_clock = WallClock(config.wall_clock_breakdown, config.steps_per_print, self.global_rank)
         for key in [module] + (optimizer.params() if optimizer is not None else []):
             _ENGINE_OF[key] = weakref.ref(self)
 
@@ -122,7 +125,7 @@ class ZeroEngine(torch.nn.Module):
         """Moves ``phase`` along TRANSITIONS, or raises the lifecycle error for ``what`` (the call)."""
         after = TRANSITIONS[event].get(self.phase)
         if after is None:
-            raise RuntimeError(self._misuse(event, what))
+            raise EngineUsageError(self._misuse(event, what))
         self.phase = after
 
     def _misuse(self, event: str, what: str) -> str:
@@ -149,7 +152,7 @@ class ZeroEngine(torch.nn.Module):
         self._advance("read_gradients", what)
         stage = self.zero_optimization_stage()
         if stage < 2 and not self.is_gradient_accumulation_boundary():
-            raise RuntimeError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
+            raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
                                "gradient-accumulation boundary; call it after the backward of the last micro step "
                                "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
         self.optimizer.ensure_reduced()
@@ -199,7 +202,8 @@ class ZeroEngine(torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
-        out = self.module(*args, **kwargs)
+        with self.wall_clock.phase("fwd"):
+            out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
             comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)
         return out
@@ -208,19 +212,21 @@ class ZeroEngine(torch.nn.Module):
         """Nothing runs on a destroyed engine: its hooks, optimizer state and buffers are gone (a stage-3
         model is still partitioned, and would fail deep inside torch)."""
         if self.phase is StepPhase.DESTROYED:
-            raise RuntimeError(self._misuse(what, f"engine.{what}"))
+            raise EngineUsageError(self._misuse(what, f"engine.{what}"))
 
     def _require_optimizer(self, what: str) -> None:
         if self.phase in (StepPhase.DESTROYED, StepPhase.FORWARD_ONLY):
-            raise RuntimeError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
+            raise EngineUsageError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip gradient reduction (DeepSpeed's API). Stages 0/1 reduce only at
         the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
+            raise EngineUsageError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
                                "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only)")
+        if self._no_sync:  # (the inner block's exit would end the outer one)
+            raise EngineUsageError("engine.no_sync(): already inside no_sync(); nesting it is not supported")
         self._no_sync = True
         try:
             yield
@@ -239,7 +245,7 @@ class ZeroEngine(torch.nn.Module):
     def _require_loaded(self, what: str, kinds=None) -> None:
         parked = sorted(k.value for k in self._offloaded if kinds is None or k.value in kinds)
         if parked:
-            raise RuntimeError(f"engine.{what}: {', '.join(parked)} are offloaded to host memory; call "
+            raise EngineUsageError(f"engine.{what}: {', '.join(parked)} are offloaded to host memory; call "
                                "engine.reload_states() first")
 
     # -- training ---------------------------------------------------------------------------------------
@@ -247,6 +253,10 @@ class ZeroEngine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
         """Backpropagates ``loss`` divided by the accumulation steps (and, in fp16, multiplied by the
         loss scale); returns the loss divided by the accumulation steps."""
+        with self.wall_clock.phase("bwd"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool):
         self._require_optimizer("backward")
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects the scalar loss tensor, got "
@@ -270,7 +280,8 @@ class ZeroEngine(torch.nn.Module):
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        with self.wall_clock.phase("bwd_inner"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._advance("backward", "engine.backward")
         return loss
 
@@ -287,7 +298,7 @@ class ZeroEngine(torch.nn.Module):
             comm.all_reduce(flag, op=comm.ReduceOp.MAX)
             found = bool(flag.item())
         if found:
-            raise RuntimeError("engine.step(): the parameters have gradients, but engine.backward() was not called "
+            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
                                "since the last step: call engine.backward(loss) instead of loss.backward(). The "
                                "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
                                "there; gradients from a plain loss.backward() would be applied wrongly")
@@ -302,15 +313,18 @@ class ZeroEngine(torch.nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """One micro step; at the accumulation boundary also the optimizer step."""
+        steps = self.global_steps
         try:
-            self._step(lr_kwargs)
+            with self.wall_clock.phase("step"):
+                self._step(lr_kwargs)
+            self.wall_clock.end_micro_step(self.global_steps > steps, self.global_steps)
         finally:  # the backend threads let go of this step's tensors ([Note: the exit race], comm/outstanding.py)
             comm.settle()
 
     def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
         if self._no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
+            raise EngineUsageError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
                                "must be reduced before a step)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
@@ -347,6 +361,10 @@ class ZeroEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters (False between boundaries and on overflow)."""
         return self._step_applied
+
+    def get_wall_clock_timers(self) -> Dict[str, float]:
+        """wall_clock_breakdown's timers (DeepSpeed's names, ms) as of the last step(); {} when off."""
+        return self.wall_clock.snapshot()
 
     def get_global_grad_norm(self) -> Optional[float]:
         return self.optimizer.global_grad_norm if self.optimizer is not None else None
@@ -408,8 +426,9 @@ class ZeroEngine(torch.nn.Module):
 
         Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
         model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
-        comm_buffers, buffers (the module's buffers), activations (what deepspeed.checkpointing keeps
-        of checkpointed calls' inputs until backward, this process's). Tiers: accelerator (the compute device), host,
+        comm_buffers, buffers (the module's buffers), hpz_secondary (ZeRO++ hpZ's node-local copies),
+        activations (what deepspeed.checkpointing keeps of checkpointed calls' inputs until backward, this
+        process's). Tiers: accelerator (the compute device), host,
         nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
         view of the parameters adds nothing.
         """
@@ -425,6 +444,12 @@ class ZeroEngine(torch.nn.Module):
                 account.add("grads", p.grad)
         for b in self.module.buffers():
             account.add("buffers", b)
+        if self.zero_model is not None and self.zero_model.secondary is not None:
+            for t in self.zero_model.secondary.tensors():  # ZeRO++ hpZ's node-local copies
+                account.add("hpz_secondary", t)
+        if self.zero_model is not None and self.zero_model.frozen_pieces is not None:
+            for t in self.zero_model.frozen_pieces.tensors():  # frozen pieces kept as int8 and scales
+                account.add("params", t)
         for t, tier in activation_checkpointing.held():
             account.add("activations", t, tier=tier)
         if self.optimizer is not None and self.optimizer.nvme is not None:

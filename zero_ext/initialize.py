@@ -1,5 +1,6 @@
 """``zero_ext.initialize``: DeepSpeed's entry point: checks the arguments and the config, then hands
 them to the builder (build.py)."""
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -8,6 +9,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import activation_checkpointing, comm
 from .build import build_engine
 from .config import ConfigError, load_config, reject_unimplemented
+from .config.errors import InitializeArgumentError
 from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
 from .engine import ZeroEngine
 
@@ -24,12 +26,13 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
 
     ``config`` (or ``config_params``, or ``args.deepspeed_config``) is a dict or a JSON path.
     ``optimizer`` is a torch optimizer over the model's parameters, or a callable taking the
-    parameters; otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
+    parameters (it wins over a config ``optimizer`` section, with a warning, as in DeepSpeed);
+    otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
     scheduler or a callable taking the optimizer. ``training_data`` (a Dataset) gives a loader with a
     distributed sampler and the micro batch size.
     """
     if model is None:
-        raise ValueError("zero_ext.initialize: model is required (pass model=your_module)")
+        raise InitializeArgumentError("zero_ext.initialize: model is required (pass model=your_module)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.initialize: model must be a torch.nn.Module, not {type(model).__name__}")
     if mpu is not None or mesh_param is not None:
@@ -50,9 +53,10 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     if not trainable and (optimizer is not None or cfg.optimizer is not None):
         raise ValueError("zero_ext.initialize: the model has no trainable parameters (every parameter has "
                          "requires_grad=False); there is nothing to optimize")
-    if optimizer is not None and cfg.optimizer is not None:
-        raise ValueError("zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' "
-                         "section; give only one (remove the section, or the optimizer argument)")
+    if optimizer is not None and cfg.optimizer is not None:  # DeepSpeed too steps the client's optimizer
+        warnings.warn(f"zero_ext.initialize: an optimizer was passed and the config has an 'optimizer' section "
+                      f"(type {cfg.optimizer.type!r}): the passed optimizer is used and the section is ignored; "
+                      "remove one of them to silence this", UserWarning, stacklevel=2)
     groups = _param_groups(model, model_parameters)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
     engine = build_engine(model, cfg, optimizer, groups, lr_scheduler=lr_scheduler, training_dataloader=loader)
@@ -61,17 +65,19 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
 
 def _check_grad_accum_dtype(cfg) -> None:
     """Stage 2 accumulates gradients in fp32 partitions; stages 0/1 in the model's dtype (as DeepSpeed's
-    stage 1 does). data_types.grad_accum_dtype may name what happens, nothing else yet."""
+    stage 1 does), except bf16 at stage 1 with grad_accum_dtype fp32, which accumulates in a full fp32
+    buffer (DeepSpeed's BF16 optimizer). data_types.grad_accum_dtype may name what happens."""
     want = cfg.data_types.grad_accum_dtype
     if want is None:
         return
     stage = cfg.zero_optimization.stage
-    actual = "fp32" if stage == 2 else cfg.precision
+    bf16_fp32 = stage == 1 and cfg.precision == "bf16" and want == "fp32"
+    actual = "fp32" if stage == 2 or bf16_fp32 else cfg.precision
     if want != actual:
         raise ConfigError(
             f"data_types.grad_accum_dtype = {want!r}: ZeRO stage {stage} with {cfg.precision} parameters "
             f"accumulates gradients in {actual}, and zero_ext implements no other choice yet; remove the key"
-            + (" or use ZeRO stage 2, which accumulates in fp32" if want == "fp32" else ""))
+            + (" or use ZeRO stage 2 (or stage 1 with bf16), which accumulate in fp32" if want == "fp32" else ""))
 
 
 def _config_source(args, config, config_params):

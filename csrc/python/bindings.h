@@ -19,6 +19,7 @@ extern PyMethodDef zx_planner_methods[]; /* bind_planner.c: partition planner, S
 extern PyMethodDef zx_optim_methods[];   /* bind_optim.c: CPU optimizers, bandwidth floor */
 extern PyMethodDef zx_aio_methods[];     /* bind_aio.c: io_uring probe */
 extern PyMethodDef zx_comm_methods[];    /* bind_comm.c: communicator ids, the reduction kernel */
+extern PyMethodDef zx_quant_methods[];   /* bind_quant.c: block quantization (ZeRO++ formats) */
 /* bind_aio.c: adds the AioHandle type. */
 int zx_aio_exec(PyObject *module);
 /* bind_comm.c: adds the Comm and CommOp types. */

@@ -15,7 +15,7 @@ from .dtypes import zx_dtype  # noqa: F401  (re-exported for callers passing dty
 LIBRARY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "libzx_cuda.so")
 NCCL_ID_BYTES = 128
 
-_c_int, _c_size, _vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p
+_c_int, _c_size, _c_ll, _vp = ctypes.c_int, ctypes.c_size_t, ctypes.c_longlong, ctypes.c_void_p
 _SIGNATURES = {
     "zx_cuda_error_string": ([_c_int], ctypes.c_char_p),
     "zx_nccl_unique_id": ([ctypes.c_char_p], _c_int),
@@ -29,6 +29,8 @@ _SIGNATURES = {
     "zx_nccl_group_start": ([], _c_int),
     "zx_nccl_group_end": ([], _c_int),
     "zx_cuda_cast": ([_vp, _c_int, _vp, _c_int, _c_size, _vp], _c_int),
+    "zx_cuda_quantize": ([_c_int, _c_int, _vp, _c_ll, _c_ll, _vp, _vp, _vp], _c_int),
+    "zx_cuda_dequantize": ([_c_int, _vp, _vp, _c_ll, _c_ll, _c_int, _vp, _c_int, _vp], _c_int),
 }
 
 

@@ -4,6 +4,7 @@ Files:
 - engine_state.py: ``save_checkpoint`` / ``load_checkpoint`` of an engine (any stage and world size
   to any).
 - files.py: atomic writes with checksums, verified reads, the manifest.
+- serial_load.py: pipeline_loading_checkpoint: the ranks of a host load one after another.
 - layout.py: which fp32 partition holds which parameter, and moving values between layouts.
 - zero_to_fp32.py: a full fp32 state dict from a checkpoint, offline (also copied into each
   checkpoint as a standalone script).

@@ -32,6 +32,7 @@ from ..comm import collective_check
 from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
                     find_tag_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
                     staging_dir, verified_load)
+from .serial_load import in_local_turns
 from .zero_to_fp32 import param_values, piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
@@ -157,6 +158,10 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     return True
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """checkpoint.tag_validation "FAIL": the ranks passed different tags (DeepSpeed asserts)."""
+
+
 def _validate_tag(engine, tag: str) -> None:
     mode = engine.config.checkpoint.tag_validation
     if mode == "IGNORE" or engine.world_size == 1:
@@ -166,7 +171,7 @@ def _validate_tag(engine, tag: str) -> None:
     if len(set(tags)) > 1:
         msg = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
         if mode == "FAIL":
-            raise CheckpointError(msg)
+            raise TagMismatchError(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
@@ -251,14 +256,26 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
         return state, saved, shards
 
-    state, saved, shards = _on_every_rank(engine, read)
-    _load_module(engine, state, load_module_strict, saved, shards)
-    opt = engine.optimizer
-    if shards is not None:
-        _load_masters(engine, saved, shards)
-        if with_optimizer:
-            _load_optimizer_state(engine, saved, shards)
+    def apply(state, saved, shards):
+        _load_module(engine, state, load_module_strict, saved, shards)
+        if shards is not None:
+            _load_masters(engine, saved, shards)
+            if with_optimizer:
+                _load_optimizer_state(engine, saved, shards)
+
+    if engine.config.zero_optimization.pipeline_loading_checkpoint:  # one rank of a host at a time
+        def read_and_apply():
+            state, saved, shards = read()
+            apply(state, saved, shards)
+            return state, saved, None  # (the shards are freed before the next rank's turn)
+
+        done, error = in_local_turns(engine.world_size, read_and_apply)
+        state, saved, shards = _on_every_rank(engine, lambda: _raise_or(done, error))
     else:
+        state, saved, shards = _on_every_rank(engine, read)
+        apply(state, saved, shards)
+    opt = engine.optimizer
+    if not (with_optimizer or saved["stage"] == 3):
         for g in opt.flat_groups:  # rebuild the fp32 masters from the loaded weights, as DeepSpeed does
             with torch.no_grad():
                 g.master.copy_(g.flat[g.lo:g.hi])
@@ -272,6 +289,15 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     if engine.world_size > 1:
         comm.barrier()
     return tag_dir, client_state
+
+
+def _raise_or(result, error):
+    """A serial load's outcome: every failure becomes a CheckpointError, which _on_every_rank agrees on."""
+    if isinstance(error, (CheckpointError, OSError)):
+        raise error
+    if error is not None:
+        raise CheckpointError(f"{type(error).__name__}: {error}") from error
+    return result
 
 
 def _on_every_rank(engine, read):
@@ -349,14 +375,18 @@ def _load_optimizer_state(engine, saved: Dict[str, Any], shards: _Shards) -> Non
     if shards.same:
         state = saved_sd["state"]
     else:
-        keys = [k for k, v in saved_sd["state"].get(0, {}).items() if torch.is_tensor(v) and v.dim() > 0]
+        # each group's own state keys (Muon: momentum_buffer in its group, Adam's moments in the other)
+        saved_state = [saved_sd["state"].get(i, {}) for i in range(len(saved["groups"]))]
+        tensor_keys = [{k for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0} for s in saved_state]
+        part_key = _partition_key(saved["stage"])
         rebuilt = {}
-        for k in keys:
-            per_rank = [[shards.osd(r)["base_optimizer_state"]["state"][i][k] for i in range(len(saved["groups"]))]
-                        for r in sorted(shards.files)]
+        for k in sorted(set().union(*tensor_keys)):
+            per_rank = [[osd["base_optimizer_state"]["state"][i][k] if k in tensor_keys[i] else
+                         torch.zeros_like(osd[part_key][i]) for i in range(len(saved["groups"]))]
+                        for osd in (shards.osd(r) for r in sorted(shards.files))]
             rebuilt[k] = layout_of.scatter(engine, param_values(saved, per_rank), masters)
-        scalars = {k: v for k, v in saved_sd["state"].get(0, {}).items() if k not in keys}
-        state = {i: {**scalars, **{k: rebuilt[k][i] for k in keys}} for i in range(len(masters))}
+        state = {i: {**{k: v for k, v in saved_state[i].items() if k not in tensor_keys[i]},
+                     **{k: rebuilt[k][i] for k in tensor_keys[i]}} for i in range(len(masters))}
     # this engine's param groups, with the saved hyper-parameters (lr, betas, ...) of each group
     index, groups = 0, []
     for here, there in zip(opt.optimizer.param_groups, saved_sd["param_groups"]):

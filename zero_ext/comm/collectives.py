@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import native as _native
+from . import traffic
 from .outstanding import tracked, tracked_objects
 
 # torch.distributed's collectives, each through outstanding.run: the backend gets aliases of the
@@ -24,10 +25,20 @@ _torch = types.SimpleNamespace(**{name: tracked(getattr(dist, name)) for name in
     "broadcast", "scatter", "barrier")})
 ReduceOp = dist.ReduceOp
 gather = tracked(dist.gather)
-all_to_all_single = tracked(dist.all_to_all_single)
+_all_to_all_single = tracked(dist.all_to_all_single)
 send, recv, isend, irecv = tracked(dist.send), tracked(dist.recv), tracked(dist.isend), tracked(dist.irecv)
 gather_object = tracked_objects(dist.gather_object)
 all_gather_object = tracked_objects(dist.all_gather_object)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                      async_op=False):
+    traffic.count("all_to_all", "scatter", group, _nbytes(input))
+    return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
 
 
 def _on_cpu(*tensors) -> bool:
@@ -42,6 +53,7 @@ def _route(group, *tensors):
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    traffic.count("all_reduce", "all_reduce", group, _nbytes(tensor))
     native = _route(group, tensor)
     if native is not None and native.reducible(tensor.dtype, op):
         return native.all_reduce(tensor, op, async_op)
@@ -56,6 +68,7 @@ def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False):
+    traffic.count("reduce_scatter", "scatter", group, _nbytes(input))
     native = _route(group, output, input)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter_tensor(output, input, op, async_op)
@@ -63,6 +76,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    traffic.count("reduce_scatter", "scatter", group, sum(_nbytes(t) for t in input_list))
     native = _route(group, output, *input_list)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter(output, input_list, op, async_op)
@@ -70,6 +84,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    traffic.count("all_gather", "gather", group, _nbytes(input_tensor))
     native = _route(group, output_tensor, input_tensor)
     if native is not None:
         return native.all_gather_into(output_tensor, input_tensor, async_op)
@@ -77,6 +92,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
+    traffic.count("all_gather", "gather", group, _nbytes(tensor))
     native = _route(group, tensor, *tensor_list)
     if native is not None:
         return native.all_gather(tensor_list, tensor, async_op)
@@ -88,6 +104,7 @@ def all_gather_coalesced(output_tensors, input_tensors, group=None, async_op=Fal
     output_tensors[j] (world x its elements, rank-major). One op with no flatten copy natively."""
     native = _route(group, *output_tensors, *input_tensors)
     if native is not None and all(t.is_contiguous() for t in (*output_tensors, *input_tensors)):
+        traffic.count("all_gather", "gather", group, sum(_nbytes(t) for t in input_tensors))
         return native.all_gather_group(list(output_tensors), list(input_tensors), async_op)
     works = [all_gather_into(o, i, group, async_op) for o, i in zip(output_tensors, input_tensors)]
     return _Joined(works) if async_op else None
@@ -103,6 +120,7 @@ def all_gather_v(output, inp, counts, group=None, async_op=False):
                          f"{counts[dist.get_rank(group)]}; output {output.numel()} vs {sum(counts)}")
     native = _route(group, output, inp)
     if native is not None and output.is_contiguous():
+        traffic.count("all_gather", "gather", group, _nbytes(inp))
         return native.all_gather_v(output, inp, counts, async_op)
     most = max(counts)
     padded = output.new_zeros(len(counts) * most)
@@ -121,6 +139,7 @@ def all_gather_v(output, inp, counts, group=None, async_op=False):
 
 
 def broadcast(tensor, src, group=None, async_op=False):
+    traffic.count("broadcast", "broadcast", group, _nbytes(tensor), src)
     native = _route(group, tensor)
     if native is not None:
         return native.broadcast(tensor, src, async_op)
@@ -151,6 +170,7 @@ def all_gather_into(output: torch.Tensor, inp: torch.Tensor, group=None, async_o
     all_gather_into_tensor, or the list form where the torch backend lacks it. ``inp`` may be a view
     of ``output``."""
     global _LIST_ALLGATHER
+    traffic.count("all_gather", "gather", group, _nbytes(inp))
     native = _route(group, output, inp)
     if native is not None:
         return native.all_gather_into(output, inp, async_op)

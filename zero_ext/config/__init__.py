@@ -13,7 +13,8 @@ Files:
 - loader.py: ``load_config`` (dict, JSON path or text, base64), validating all of it.
 - keys.py: the key walker run before pydantic: unknown keys, aliases, deprecations.
 - base.py: the schema's shared building blocks; messages.py: pydantic errors as Problems naming the key.
-- errors.py: ConfigError, the warnings, Problem, suggestions for misspelled keys.
+- errors.py: ConfigError, the warnings, Problem, suggestions for misspelled keys; the errors that
+  carry DeepSpeed's exception types (ZeRORuntimeException, AssertionError) for every layer.
 - toplevel.py: DeepSpeedConfig, the whole config; batch.py: the batch-size arithmetic.
 - zero.py: ``zero_optimization``; zero_extras.py: its ``leaf_module`` and ``zenflow``; offload.py:
   ``offload_param`` / ``offload_optimizer``; aio.py: ``aio``.

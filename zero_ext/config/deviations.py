@@ -35,10 +35,11 @@ DEVIATIONS = [
      "No effect / not checked in the config.",
      "Error.",
      "No silent no-ops."),
-    ("elastic_checkpoint with stage 3",
-     "Warning; saving later fails.",
-     "Error pointing to universal checkpoints (checkpoint.load_universal).",
-     "Fail at load, not at the first checkpoint."),
+    ("elastic_checkpoint",
+     "Stages 1-2: each rank reads every rank's optimizer file and merges them (loads across "
+     "world sizes); stage 3: a deprecation warning.",
+     "A deprecation warning at every stage; the key has no effect.",
+     "zero_ext checkpoints reshard natively: any world size and stage load any checkpoint."),
     ("Checks DeepSpeed makes only in initialize",
      "pipeline_loading_checkpoint needs stage 3, legacy_stage1 is refused, allgather_bucket_size "
      "must be even (stages 1-2), reduce-scatter (stages 2-3) forbids gradient_predivide_factor "
@@ -87,10 +88,11 @@ DEVIATIONS = [
      "Same rules; a non-divisible input is reported with the division that failed, and "
      "impossible triples are reported before the world size is known.",
      "Messages show the numbers that do not fit."),
-    ("File format",
-     "Reads files with hjson (comments, trailing commas).",
-     "Strict JSON (standard library), duplicate keys rejected as in DeepSpeed.",
-     "No extra dependency; JSON is what DeepSpeed documents."),
+    ("Config text given as a string",
+     "A string must be a file path or base64; base64 text is read with hjson without the "
+     "duplicate-key check.",
+     "JSON/hjson text is accepted as a string too; duplicate keys are errors in every source.",
+     "One reading rule for every source."),
     ("A key given twice (name and alias, e.g. bf16 and bfloat16)",
      "One silently wins (bf16 over bfloat16; pydantic keeps one of name/alias).",
      "Error.",
@@ -108,6 +110,21 @@ DEVIATIONS = [
      "max_in_cpu) are at most 2**62; the derived train_batch_size must fit int64; "
      "mics_shard_size >= -1; zero_hpz_partition_size and mics_shard_size < 2**31.",
      "Larger values overflow the C planner, torch or the loss scaler; the error names the key."),
+    ("ZeRO++ qwZ / qgZ formats",
+     "qwZ: int8 in groups sized by an adaptive rule around 2048 elements over the whole gathered "
+     "buffer (fp16 on the wire path); qgZ: int4 in groups of about one row, two-level all-to-all "
+     "(intra-node, then inter-node) and a plain reduce-scatter for 1-D tensors.",
+     "qwZ: int8, 2048-element blocks; qgZ: int4, 512-element blocks, one all-to-all over the data-"
+     "parallel group, synchronous, 1-D parameters unquantized; both quantize each parameter's piece on "
+     "its own, in its own dtype (bf16 stays bf16), with the bound stated in docs/precision.md.",
+     "A parameter's value does not depend on which others shared its bucket, so runs are reproducible "
+     "and testable against a reference; the two-level all-to-all (fewer bytes across nodes) is not "
+     "built yet."),
+    ("ZeRO++ hpZ with offload_param",
+     "Not checked.",
+     "Error: zero_hpz_partition_size > 1 with offload_param.",
+     "hpZ's secondary copy lives on the device, where offloading the parameters was meant to free "
+     "memory."),
     ("aio limits",
      "Any positive block_size, queue_depth and thread count.",
      "block_size a multiple of 4096 up to 2**30 bytes, queue_depth <= 4096, "
@@ -135,6 +152,18 @@ DEVIATIONS = [
      "decay_lr_rate and decay_mom_rate >= 0; learning rates finite and >= 0.",
      "eps 0 divides by zero where a state is 0; beta1 = 1 makes Adam's bias correction divide "
      "by zero; a negative decay rate makes the lr negative or infinite."),
+    ("gradient_allreduce_op \"sum\" with prescale_gradients or gradient_predivide_factor",
+     "Accepted; the scaling is skipped when gradients are summed.",
+     "Error naming the key.",
+     "No silent no-ops."),
+    ("Muon's Newton-Schulz iteration",
+     "Runs in bf16 (standard) or fp16 (gram) where the accelerator supports them, else fp32.",
+     "Always fp32.",
+     "Deterministic, and the same bits on CPU and GPU; the iteration is cheap next to the step."),
+    ("Muon with fp16",
+     "Accepted; the orthogonalized update is then divided by the loss scale.",
+     "Error at load.",
+     "The update would shrink with the loss scale: silently wrong training."),
     ("legacy allgather_size without the legacy boolean zero_optimization",
      "Silently unused.",
      "Error pointing to zero_optimization.allgather_bucket_size.",

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from .base import field_extra, submodel_of
 from .deviations import DEVIATIONS
 from .optimizer import DEEPSPEED_OPTIMIZERS, TORCH_OPTIMIZERS, AdamParams
-from .optim_params import AdagradParams, LionParams
+from .optim_params import AdagradParams, LionParams, MuonParams
 from .scheduler import DEEPSPEED_SCHEDULERS, TORCH_SCHEDULERS
 from .sections import IGNORED_SECTIONS, FeatureSection
 from .toplevel import DeepSpeedConfig
@@ -65,7 +65,8 @@ How a config is read:
 - **Accepted but not implemented yet**: `load_config` accepts every DeepSpeed feature below, but
   `initialize` / `zero.Init` refuse (via `zero_ext.config.reject_unimplemented`) any key listed
   under "Not implemented yet" that is set to a non-default value. Nothing is silently ignored.
-- Files are strict JSON (DeepSpeed also accepts hjson comments); duplicate keys are errors.
+- Files and strings are read with hjson, as DeepSpeed reads them (comments, trailing commas);
+  duplicate keys are errors.
 
 Sizes are element counts, not bytes, unless the key says bytes.
 """
@@ -242,16 +243,18 @@ def _optimizer_section() -> List[str]:
         + ". `max_grad_norm` is never an optimizer parameter: use `gradient_clipping`. "
         "For `Adam`/`AdamW` the params are checked against this table (keys not given are left "
         "to the optimizer's own defaults, as in DeepSpeed; \"auto\" means the default shown); "
-        "`Adagrad` and `Lion` against theirs below; a `torch.optim` class's params against its "
+        "`Adagrad`, `Lion` and `Muon` against theirs below; a `torch.optim` class's params against its "
         "constructor's signature (unknown keys are errors with a suggestion; learning rates, "
         "betas, eps, weight decay and momentum are range-checked, other values checked against "
         "the type of the constructor's default). DeepSpeed optimizers zero_ext does not "
-        "implement (Lamb, 1-bit, Mu*) keep their params unchecked.", "",
+        "implement (Lamb, 1-bit, MuAdam/MuAdamW/MuSGD) keep their params unchecked.", "",
         *field_table(AdamParams, "optimizer.params"), "",
         "### `Adagrad`", "", _escape(AdagradParams.__doc__ or "").strip(), "",
         *field_table(AdagradParams, "optimizer.params"), "",
         "### `Lion`", "", _escape(LionParams.__doc__ or "").strip(), "",
-        *field_table(LionParams, "optimizer.params"), ""]
+        *field_table(LionParams, "optimizer.params"), "",
+        "### `Muon`", "", _escape(MuonParams.__doc__ or "").strip(), "",
+        *field_table(MuonParams, "optimizer.params"), ""]
 
 
 def _scheduler_section() -> List[str]:

@@ -51,8 +51,11 @@ class Problem(NamedTuple):
         return f"{where}: got {format_value(self.value)}; {self.message}"
 
 
-class ConfigError(ValueError):
-    """An invalid DeepSpeed config. ``problems`` lists every mistake found in one load."""
+class ConfigError(ValueError, AssertionError):
+    """An invalid DeepSpeed config. ``problems`` lists every mistake found in one load.
+
+    A ``ValueError`` (what pydantic's ValidationError is) and an ``AssertionError`` (DeepSpeed checks
+    many config rules with ``assert``), so callers written for DeepSpeed catch it either way."""
 
     headline = "Invalid DeepSpeed config"
 
@@ -79,6 +82,29 @@ class UnimplementedFeatureError(ConfigError):
     """The config asks for a DeepSpeed feature zero_ext accepts but does not implement yet."""
 
     headline = "DeepSpeed config uses a feature zero_ext does not implement yet"
+
+
+# -- errors with DeepSpeed's exception types ---------------------------------------------------------
+# DeepSpeed raises AssertionError (its checks are asserts) or ZeRORuntimeException where zero_ext raises
+# the errors below; each also derives from what zero_ext raised before, and keeps zero_ext's message.
+# They live here, in the lowest layer that has errors, so every layer can raise them.
+
+
+class ZeRORuntimeException(Exception):
+    """DeepSpeed's ``deepspeed.runtime.zero.utils.ZeRORuntimeException``."""
+
+
+class ClientOptimizerError(ConfigError, ZeRORuntimeException):
+    """A client optimizer the config does not allow (e.g. with optimizer offload)."""
+
+
+class EngineUsageError(RuntimeError, AssertionError):
+    """An engine call made when it cannot run (no optimizer, inside no_sync, out of step order)."""
+
+
+class InitializeArgumentError(ValueError, AssertionError):
+    """A bad argument to initialize (no model, an optimizer ZeRO does not allow, a scheduler over
+    another optimizer)."""
 
 
 def format_value(value: Any) -> str:

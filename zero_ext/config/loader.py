@@ -1,9 +1,9 @@
 """``load_config``: read a DeepSpeed config from wherever it comes and validate all of it.
 
 Accepted sources, as in DeepSpeed's ``DeepSpeedConfig``: a dict, a path to a JSON file (``str``
-or ``pathlib.Path``), or a urlsafe-base64 encoding of JSON; additionally a JSON string. Files are
-read as strict JSON with duplicate keys rejected (DeepSpeed reads files with hjson, which also
-allows comments and trailing commas; zero_ext keeps to the standard library).
+or ``pathlib.Path``), or a urlsafe-base64 encoding of JSON; additionally a JSON string. Text is
+read with the ``hjson`` package, as DeepSpeed reads it: JSON plus comments (``//``, ``#``,
+``/* */``), trailing commas and unquoted keys; a key given twice in one object is an error.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
-import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Union
 
+import hjson
 from pydantic import ValidationError
 
 from . import batch
@@ -89,16 +90,28 @@ def read_source(source: ConfigSource) -> Dict[str, Any]:
     if os.path.isfile(source):
         return _read_file(Path(source))
     text = source.strip()
-    if text.startswith("{"):
+    if _looks_like_an_object(text):
         return _as_dict(_parse_json(text, "the JSON string"), "the JSON string")
     try:
         decoded = base64.urlsafe_b64decode(text.encode("ascii")).decode("utf-8")
     except (binascii.Error, UnicodeError, ValueError):
         decoded = None
-    if decoded is not None and decoded.lstrip().startswith("{"):
+    if decoded is not None and _looks_like_an_object(decoded):
         return _as_dict(_parse_json(decoded, "the base64 config"), "the base64 config")
     raise ConfigError("is neither an existing file, JSON text, nor urlsafe-base64 JSON",
                       path="<source>", value=source)
+
+
+_LEADING_COMMENTS = re.compile(r"\s*(?:(?:#|//)[^\n]*|/\*.*?\*/)", re.S)
+
+
+def _looks_like_an_object(text: str) -> bool:
+    """Whether config text starts with "{" once leading (hjson) comments are skipped."""
+    pos, match = 0, _LEADING_COMMENTS.match(text)
+    while match and match.end() > pos:
+        pos = match.end()
+        match = _LEADING_COMMENTS.match(text, pos)
+    return text[pos:].lstrip().startswith("{")
 
 
 def _read_file(path: Path) -> Dict[str, Any]:
@@ -121,11 +134,10 @@ def _reject_duplicates(pairs: List[tuple]) -> Dict[str, Any]:
 
 def _parse_json(text: str, where: str) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicates)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"is not valid JSON: {err.msg} at line {err.lineno} column "
-                          f"{err.colno} (zero_ext reads strict JSON: no comments or trailing "
-                          "commas)", path=where) from err
+        return hjson.loads(text, object_pairs_hook=_reject_duplicates)
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(f"is not valid JSON/hjson: {err.msg} at line {err.lineno} column "
+                          f"{err.colno}", path=where) from err
     except ValueError as err:  # duplicate key
         raise ConfigError(f"{err} (each key may appear once per section)", path=where) from err
 

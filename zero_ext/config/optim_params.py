@@ -63,6 +63,41 @@ class LionParams(ConfigModel):
     _betas_in_range = field_validator("betas")(classmethod(lambda cls, betas: betas_in_range(betas)))
 
 
+class MuonParams(ConfigModel):
+    """Parameters of ``"type": "Muon"`` (DeepSpeed's MuonWithAuxAdam): Muon steps the trainable
+    parameters of two or more dimensions outside embeddings and lm_head, an auxiliary Adam the rest.
+    Unset keys take the group defaults (Muon: lr 0.02, momentum 0.95; Adam: lr 3e-4, betas (0.9, 0.95),
+    eps 1e-10; weight decay 0)."""
+
+    lr: Optional[Float] = option(None, "Learning rate of both groups (unless muon_lr / adam_lr).", ge=0.0)
+    muon_lr: Optional[Float] = option(None, "Learning rate of the Muon group.", ge=0.0)
+    adam_lr: Optional[Float] = option(None, "Learning rate of the Adam group.", ge=0.0)
+    momentum: Optional[Float] = option(None, "Muon's (Nesterov) momentum factor, in [0, 1).", ge=0.0)
+    weight_decay: Optional[Float] = option(None, "Decoupled weight decay of both groups.", ge=0.0)
+    betas: Optional[Tuple[Float, Float]] = option(None, "The Adam group's betas, each in [0, 1).")
+    eps: Optional[Float] = option(None, "The Adam group's eps (added outside the square root).", gt=0.0)
+    ns_method: Optional[str] = option(None, 'Newton-Schulz variant: "gram" (default) or "standard".')
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, betas):
+        return None if betas is None else betas_in_range(betas)
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, value):
+        if value is not None and not value < 1.0:
+            raise ValueError("must be in [0, 1)")
+        return value
+
+    @field_validator("ns_method")
+    @classmethod
+    def _ns_method(cls, value):
+        if value is not None and value not in ("gram", "standard"):
+            raise ValueError('must be "gram" or "standard"')
+        return value
+
+
 def betas_in_range(betas: Tuple[float, float]) -> Tuple[float, float]:
     """Adam's and Lion's betas: each in [0, 1)."""
     if not all(0.0 <= b < 1.0 for b in betas):

@@ -14,11 +14,11 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from .base import ConfigModel, Float, option, rule_errors
 from .errors import unknown_key_message
-from .optim_params import AdagradParams, LionParams, betas_in_range, torch_optimizer_problems
+from .optim_params import AdagradParams, LionParams, MuonParams, betas_in_range, torch_optimizer_problems
 from .params import auto_keys_under, check_params
 
 #: Typed params of DeepSpeed's own optimizer names besides Adam/AdamW.
-TYPED_PARAMS = {"adagrad": AdagradParams, "lion": LionParams}
+TYPED_PARAMS = {"adagrad": AdagradParams, "lion": LionParams, "muon": MuonParams}
 
 #: DeepSpeed's own optimizer names (matched case-insensitively).
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "onebitadam", "zerooneadam",

@@ -101,7 +101,9 @@ class DataTypesConfig(ConfigModel):
 
     grad_accum_dtype: Optional[str] = option(
         None, "Dtype gradients are accumulated in (fp16, bf16, fp32); unset: the parameter "
-        "dtype.")
+        "dtype. zero_ext: stage 2 accumulates in fp32; stage 1 with bf16 and fp32 adds each micro "
+        "step's gradients into a full fp32 buffer reduced in fp32 (DeepSpeed's BF16 optimizer); "
+        "any other value than what the stage does is refused at initialize.")
     param_dtype: Optional[str] = option(
         None, "Dtype the model's parameters are cast to (fp16, bf16, fp32); unset: keep.")
     buffer_dtype: Optional[str] = option(

@@ -71,7 +71,9 @@ class DeepSpeedConfig(ConfigModel):
     prescale_gradients: bool = option(False, "Divide gradients before (not after) reduction.")
     gradient_predivide_factor: Float = option(
         1.0, "Divide gradients by this before reduction and by world_size/factor after.", gt=0.0)
-    gradient_allreduce_op: str = option("mean", 'Gradient reduction: "mean" or "sum".')
+    gradient_allreduce_op: str = option(
+        "mean", 'How ranks\' gradients combine: "mean" (averaged) or "sum" (added up, as if the '
+        'losses were summed over ranks); "sum" needs ZeRO stage 0-2.')
     communication_data_type: Optional[str] = option(
         None, "Dtype of gradient communication: fp16, bf16 or fp32 (null: the gradients').")
     seq_parallel_communication_data_type: Optional[str] = option(
@@ -87,7 +89,12 @@ class DeepSpeedConfig(ConfigModel):
     # -- logging / data --------------------------------------------------------------------------
     steps_per_print: Optional[Int] = option(
         None, "Log progress every N optimizer steps (null or Infinity: never).", ge=1)
-    wall_clock_breakdown: bool = option(False, "Time forward/backward/step and log it.")
+    wall_clock_breakdown: bool = option(
+        False, "Time forward, backward (autograd pass, gradient reduction) and step; rank 0 prints "
+        "DeepSpeed's `time (ms) | fwd: ...` lines every steps_per_print optimizer steps (every step "
+        "when unset); engine.get_wall_clock_timers() returns them.",
+        ds_note="DeepSpeed prints the micro-step line at every step() call and the global line at "
+        "every optimizer step.")
     dataloader_drop_last: bool = option(
         False, "The engine's data loader drops the last incomplete batch.")
     graph_harvesting: bool = option(False, "Capture the step in CUDA graphs.")
@@ -149,7 +156,7 @@ class DeepSpeedConfig(ConfigModel):
     def _reduce_op(cls, value: Any) -> Any:
         value = lower_str(value)
         if value not in ("mean", "sum"):
-            raise ValueError('must be "mean" or "sum"')
+            raise ValueError('Invalid gradient_allreduce_op: must be "mean" (average over ranks) or "sum"')
         return value
 
     # -- deprecated legacy form ------------------------------------------------------------------
@@ -183,6 +190,9 @@ class DeepSpeedConfig(ConfigModel):
             problems.append(("optimizer.type", self.optimizer.type,
                              "is not compatible with ZeRO (stage >= 1); DeepSpeed refuses it "
                              "too"))
+        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled:
+            problems.append(("optimizer.type", "muon", "Muon with fp16 loss scaling is not supported (the "
+                             "orthogonalized update does not scale with the loss); use bf16 or fp32"))
         if self.optimizer is not None and self.optimizer.type == "adagrad":
             oc = self.zero_optimization.offload_optimizer
             offloaded = oc is not None and oc.device != "none" and self.zero_optimization.stage > 0
@@ -289,6 +299,10 @@ def _reduction_rules(cfg: DeepSpeedConfig):
             yield ("gradient_allreduce_op", "sum", 'is not supported with ZenFlow; use "mean"')
         if cfg.compile.deepcompile:
             yield ("gradient_allreduce_op", "sum", 'is not supported with DeepCompile; use "mean"')
+        if cfg.prescale_gradients or cfg.gradient_predivide_factor != 1.0:
+            key = "prescale_gradients" if cfg.prescale_gradients else "gradient_predivide_factor"
+            yield (key, getattr(cfg, key), 'has no effect with gradient_allreduce_op "sum" (the '
+                   "gradients are added up, never divided); remove it")
     if zero.stage >= 2 and zero.reduce_scatter:
         if cfg.gradient_predivide_factor != 1.0:
             yield ("gradient_predivide_factor", cfg.gradient_predivide_factor,

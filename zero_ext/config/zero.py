@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 from pydantic import model_validator
 
 from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
+from .errors import ConfigDeprecationWarning
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
 from .zero_extras import LeafModuleConfig, ZenFlowConfig
 
@@ -50,8 +51,10 @@ class ZeroConfig(ConfigModel):
         True, "On checkpoint load, initialise fp32 master weights from the saved fp32 copy "
         "(false: from the 16-bit weights, losing precision).")
     elastic_checkpoint: bool = option(
-        False, "Legacy elastic checkpoints (stages 1-2). Not available with stage 3: use "
-        "universal checkpoints (checkpoint.load_universal).")
+        False, "Deprecated, no effect: zero_ext checkpoints load into any world size and stage "
+        "(true gives a deprecation warning).",
+        ds_note="DeepSpeed merges stage-1/2 optimizer state across ranks with it; at stage 3 it "
+        "warns that the key is deprecated.")
     offload_param: Optional[OffloadParamConfig] = option(
         None, "Parameter offload to CPU/NVMe (stage 3 only); see offload_param below.")
     offload_optimizer: Optional[OffloadOptimizerConfig] = option(
@@ -96,8 +99,8 @@ class ZeroConfig(ConfigModel):
         False, "save_16bit_model() gathers the full 16-bit weights before saving.",
         aliases=("stage3_gather_16bit_weights_on_model_save",), stage3_only=True)
     module_granularity_threshold: Int = option(
-        0, "Modules with parameters/(1 + descendants) below this are fetched as one unit "
-        "(0: off).", ge=0, le=MAX_ELEMENTS, aliases=("stage3_module_granularity_threshold",),
+        0, "Modules whose parameter elements per layer (itself and the torch leaf modules below it) are "
+        "at most this become leaf modules, fetched as one unit; outermost first (0: off).", ge=0, le=MAX_ELEMENTS, aliases=("stage3_module_granularity_threshold",),
         stage3_only=True)
     use_all_reduce_for_fetch_params: bool = option(
         False, "Fetch parameters with an all-reduce of zero-padded buffers instead of "
@@ -115,13 +118,19 @@ class ZeroConfig(ConfigModel):
     round_robin_gradients: bool = option(
         False, "Stages 1-2 with CPU offload: spread gradient copies over ranks round-robin.")
     zero_hpz_partition_size: Int = option(
-        1, "ZeRO++ hpZ: ranks in the secondary (intra-node) parameter partition.", ge=0,
-        le=2 ** 31 - 1)
-    zero_quantized_weights: bool = option(False, "ZeRO++ qwZ: quantized weight all-gather.")
+        1, "ZeRO++ hpZ: ranks of a node, over which each parameter keeps a secondary partition after its "
+        "forward, so the backward gathers within the node (1: off; must divide the world; not with "
+        "offload_param).", ge=0, le=2 ** 31 - 1, stage3_only=True)
+    zero_quantized_weights: bool = option(
+        False, "ZeRO++ qwZ: the forward/backward parameter all-gathers travel as int8 with an fp32 scale per "
+        "2048 elements; every rank computes with the dequantized weights, the optimizer steps the exact ones.",
+        stage3_only=True)
     zero_quantized_nontrainable_weights: bool = option(
-        False, "Store frozen weights quantized (e.g. LoRA base weights).")
+        False, "Stage 3: frozen parameters' pieces kept as int8 with an fp32 scale per 2048 elements (e.g. LoRA "
+        "base weights); every rank computes with the dequantized values.", stage3_only=True)
     zero_quantized_gradients: bool = option(
-        False, "ZeRO++ qgZ: quantized gradient reduction (all-to-all).")
+        False, "ZeRO++ qgZ: stage 3's gradient reduce-scatter travels as int4 (an fp32 scale per 512 elements; "
+        "1-D parameters unquantized) through one all-to-all, summed in fp32 on arrival.", stage3_only=True)
     zeropp_loco_param: Optional[Dict[str, Any]] = option(
         None, "LoCo-ZeRO++ error-feedback settings, e.g. {\"err_beta\": 0.8, \"reset_T\": 1024}.")
     mics_shard_size: Int = option(-1, "MiCS: ranks one model-state shard spans (-1: off).",
@@ -132,7 +141,8 @@ class ZeroConfig(ConfigModel):
         True, "zero.Init swaps F.linear for a variant that keeps no gathered weight for "
         "backward.", stage3_only=True)
     pipeline_loading_checkpoint: bool = option(
-        False, "Load checkpoints one local rank at a time (stage 3 only).")
+        False, "Stage 3: the ranks of a host load a checkpoint one after another (local-rank order), "
+        "each freeing its files before the next starts: one rank's files in host memory at a time.")
     override_module_apply: bool = option(
         True, "Accepted; zero.Init needs no Module.apply patch (writes after partitioning are exact).",
         stage3_only=True)
@@ -169,6 +179,11 @@ class ZeroConfig(ConfigModel):
                 data[new] = {"device": "cpu"}
         if "cpu_offload_use_pin_memory" in data:
             _migrate_pin_memory(data, path, report)
+        if data.get("elastic_checkpoint") is True:
+            report.warnings.append((
+                f"{path}.elastic_checkpoint is deprecated and has no effect: zero_ext checkpoints "
+                "load into any world size and ZeRO stage (docs/checkpoints.md, Resharding); remove it",
+                ConfigDeprecationWarning))
         old, new = "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"
         if old in data:
             value = data.pop(old)
@@ -247,11 +262,6 @@ def _offload_rules(z: ZeroConfig):
 
 def _stage_rules(z: ZeroConfig):
     """Keys that only work at some stages, or not at all. Yields (key, value, message)."""
-    if z.elastic_checkpoint and z.stage == 3:
-        yield ("elastic_checkpoint", True,
-               "elastic checkpoints are not supported with ZeRO stage 3; use universal "
-               "checkpoints instead (\"checkpoint\": {\"load_universal\": true}) and remove "
-               "elastic_checkpoint")
     if z.pipeline_loading_checkpoint and z.stage != 3:
         yield ("pipeline_loading_checkpoint", True,
                f"only supported with ZeRO stage 3 (stage is {z.stage})")

@@ -3,7 +3,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-KINDS = ("params", "fp32_master", "grads", "fp32_grads", "optimizer_state", "comm_buffers", "buffers", "activations")
+KINDS = ("params", "fp32_master", "grads", "fp32_grads", "optimizer_state", "comm_buffers", "buffers",
+         "hpz_secondary", "activations")
 TIERS = ("accelerator", "host", "nvme")
 
 

@@ -13,6 +13,8 @@ Files:
 - _optimizer.py: CPUOptimizer, what the three share (state on host_buffers, the fused offloaded step).
 - functional.py: the C kernels as functions on lists of tensors; the thread and ISA controls.
 - device_math.py: the same updates with torch operations, for sub-groups kept on an accelerator.
+- quantize.py: block quantization (int8 / int4 with fp32 scales), ZeRO++'s wire formats, in C.
+- torch_stepped.py: TorchStepped, torch_adam's torch.optim.Adam(W) behind this interface (NVMe offload).
 """
 from .adagrad import CPUAdagrad, DeepSpeedCPUAdagrad
 from .adam import CPUAdam, DeepSpeedCPUAdam

@@ -4,10 +4,13 @@ Files:
 - zero_optimizer.py: ZeroOptimizer, the one optimizer of every stage: owns the groups, reduces, clips,
   steps and re-gathers.
 - flat_group.py: FlatGroup, one param group flattened (stages 0-2).
-- shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them.
+- shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
+  quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all.
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.
 - schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
+- muon.py: the Muon optimizer (MuonWithAuxAdam): its param groups, and the orthogonalized update before the step.
+- wall_clock.py: wall_clock_breakdown's per-phase timers (DeepSpeed's names) and their report.
 - factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
   the rules for a client's optimizer.
 """

@@ -16,23 +16,31 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..config import ConfigError
+from ..config.errors import ClientOptimizerError, InitializeArgumentError
 from ..config.optim_params import ADAGRAD_TORCH_ONLY
 from ..ops._optimizer import CPUOptimizer
 from ..ops.adagrad import CPUAdagrad
 from ..ops.adam import CPUAdam
 from ..ops.lion import CPULion
+from ..ops.torch_stepped import TorchStepped
 
 # Adam(W) params that torch.optim takes as they are.
 _TORCH_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", "maximize", "capturable",
                     "differentiable", "fused")
 
 
-def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool = False,
+                    nvme: bool = False) -> torch.optim.Optimizer:
     """The optimizer the config's ``optimizer`` section asks for, over ``param_groups``; ``offloaded``:
-    the engine steps host copies of them (optimizer offload), wherever the parameters are."""
+    the engine steps host copies of them (optimizer offload), wherever the parameters are; ``nvme``: the
+    offload goes to NVMe, whose streamed step takes torch_adam's Adam(W) as TorchStepped."""
     on_host = offloaded or all(p.device.type == "cpu" for g in param_groups for p in g["params"])
     base = _c_optimizer(opt_cfg, param_groups) if on_host else None
-    return base if base is not None else _torch_optimizer(opt_cfg, param_groups)
+    if base is None:
+        base = _torch_optimizer(opt_cfg, param_groups)
+        if nvme and type(base) in (torch.optim.Adam, torch.optim.AdamW):
+            base = TorchStepped(base)
+    return base
 
 
 def _c_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[CPUOptimizer]:
@@ -90,7 +98,7 @@ def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: 
     ``zero_force_ds_cpu_optimizer`` is false (the client optimizer then steps host tensors)."""
     name = type(base).__name__
     if force_ds_cpu_optimizer and name not in CPU_OPTIMIZERS:
-        raise ConfigError(
+        raise ClientOptimizerError(
             f"zero_optimization.offload_optimizer is on with a client optimizer ({name}), which would step "
             "the offloaded fp32 state slowly in host memory. Use zero_ext.ops.adam.CPUAdam (DeepSpeedCPUAdam), "
             "or give an 'optimizer' section in the config (the engine then builds the C optimizer); to use "
@@ -105,7 +113,8 @@ def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
 # Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
 # give the same result on a flat partition as on the parameters. Others need
 # zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
-ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam")
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam",
+                             "TorchStepped", "MuonWithAuxAdam")
 
 
 def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:
@@ -115,7 +124,7 @@ def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested
         return
     name = type(base).__name__
     if name not in ZERO_SUPPORTED_OPTIMIZERS:
-        raise ValueError(
+        raise InitializeArgumentError(
             f"zero_ext.initialize: {name} is an untested ZeRO optimizer: ZeRO steps it on flat partitions of "
             "the parameters, which is only right for element-wise optimizers (Adam, AdamW, Adagrad, Lion). "
             'Add "zero_allow_untested_optimizer": true to the config to use it anyway.')

@@ -15,6 +15,9 @@
 - ``lp_grad`` (stages 0 and 1 only): a flat buffer in the model's dtype whose views are the
   parameters' ``.grad``, so autograd accumulates straight into it and the reduction at the
   accumulation boundary works on one contiguous tensor.
+- ``acc_grad`` (stage 1, bf16 with ``data_types.grad_accum_dtype`` fp32, DeepSpeed's BF16 optimizer):
+  a full fp32 buffer into which each backward's ``lp_grad`` is folded (``fold_lp_grads``), so micro
+  steps accumulate in fp32; the boundary reduces it, and ``grad`` is its partition.
 Stage 0 replicates: every rank "owns" the whole buffer (``lo, hi = 0, padded``).
 """
 from typing import List, Optional
@@ -27,7 +30,8 @@ from ..offload.plan import HostMemory
 
 class FlatGroup:
     def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int, partitioned: bool,
-                 keep_lp_grads: bool, device: torch.device, host: Optional[HostMemory] = None):
+                 keep_lp_grads: bool, device: torch.device, host: Optional[HostMemory] = None,
+                 accum_fp32: bool = False):
         self.params = params
         self.numels = [p.numel() for p in params]
         self.world, self.rank, self.partitioned = world, rank, partitioned
@@ -50,15 +54,19 @@ class FlatGroup:
             self.master = host.copy_of(self.flat[self.lo:self.hi])
         else:
             self.master = self.flat[self.lo:self.hi] if fp32 else self.flat[self.lo:self.hi].float()
-        self.lp_grad = None
+        self.lp_grad = self.acc_grad = None
         if keep_lp_grads:
             self.lp_grad = torch.zeros(self.padded, dtype=self.dtype, device=device)
             self.attach_lp_grads()
+            if accum_fp32 and not fp32:
+                self.acc_grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         # fp32 models reduce straight into their own gradient buffer's partition: no second copy
         if self.offloaded:
             self.grad = host.zeros(self.part)
         elif keep_lp_grads and fp32:
             self.grad = self.lp_grad[self.lo:self.hi]
+        elif self.acc_grad is not None:
+            self.grad = self.acc_grad[self.lo:self.hi]
         else:
             self.grad = torch.zeros(self.part, dtype=torch.float32, device=device)
         self.master.grad = self.grad
@@ -92,6 +100,17 @@ class FlatGroup:
                 slot.copy_(p.grad.reshape(-1))
         self.attach_lp_grads()
 
+    @property
+    def boundary_grad(self) -> torch.Tensor:
+        """The full flat gradient the boundary reduces: ``acc_grad`` when accumulating in fp32."""
+        return self.acc_grad if self.acc_grad is not None else self.lp_grad
+
+    def fold_lp_grads(self) -> None:
+        """acc_grad += this backward's lp_grad (rounded to the model's dtype once), lp_grad zeroed."""
+        self.collect_lp_grads()
+        self.acc_grad.add_(self.lp_grad)
+        self.lp_grad.zero_()
+
     def piece_of(self, i: int):
         """This rank's fragment of parameter i (a planner Piece), or None when it owns none of it."""
         if not hasattr(self, "_piece_of"):
@@ -113,5 +132,7 @@ class FlatGroup:
         out = [("params", self.flat)]
         if self.lp_grad is not None:
             out.append(("grads", self.lp_grad))
+        if self.acc_grad is not None:
+            out.append(("fp32_grads", self.acc_grad))
         out.append(("fp32_master", self.master))  # listed after what it may alias (fp32 models): no bytes
         return out + ([("fp32_grads", self.grad)] if self.grad is not None else [])

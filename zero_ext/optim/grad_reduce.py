@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config.errors import EngineUsageError
 from .._native import planner
 from .flat_group import FlatGroup
 
@@ -27,11 +28,16 @@ from .flat_group import FlatGroup
 class Averaging:
     """How gradients are averaged over N ranks and in which dtype they travel (DeepSpeed's keys):
     by default multiplied by 1/f before the reduction and by f/N after (gradient_predivide_factor f,
-    default 1); with prescale_gradients divided by N before. ``comm_dtype``: communication_data_type,
-    or the gradients' own dtype."""
+    default 1); with prescale_gradients divided by N before. ``summed`` (gradient_allreduce_op "sum"):
+    neither, the ranks' gradients are added up. ``comm_dtype``: communication_data_type, or the
+    gradients' own dtype."""
 
-    def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0):
+    def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0,
+                 summed: bool = False):
         self.comm_dtype = comm_dtype
+        if summed:
+            self.pre = self.post = 1.0
+            return
         self.pre = 1.0 / world if prescale else 1.0 / predivide
         self.post = 1.0 if prescale else predivide / world
 
@@ -58,23 +64,43 @@ def _chunks(n: int, size: int):
 
 
 class BoundaryReducer:
-    """Stages 0 and 1: reduce the accumulated flat gradients once per optimizer step."""
+    """Stages 0 and 1: reduce the accumulated flat gradients once per optimizer step. Groups that
+    accumulate in fp32 (``FlatGroup.acc_grad``) get each backward's gradients folded in by a callback
+    at the end of that backward (queued by a post-accumulate hook of their parameters)."""
 
     def __init__(self, groups: List[FlatGroup], bucket_size: int, averaging: Averaging, process_group=None):
         self.groups, self.bucket_size, self.avg, self.pg = groups, bucket_size, averaging, process_group
+        self._folding = [g for g in groups if g.acc_grad is not None]
+        self._fold_queued = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._queue_fold)
+                       for g in self._folding for p in g.params]
+
+    def _queue_fold(self, _param) -> None:
+        if not self._fold_queued:
+            self._fold_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._fold)
+
+    def _fold(self) -> None:
+        self._fold_queued = False
+        for g in self._folding:
+            g.fold_lp_grads()
 
     def reduce(self, world: int) -> None:
         for g in self.groups:
-            g.collect_lp_grads()
-            aliased = g.grad.data_ptr() == g.lp_grad[g.lo:g.hi].data_ptr()
+            if g.acc_grad is not None:
+                g.fold_lp_grads()  # (gradients that came without a backward callback: nothing, usually)
+            else:
+                g.collect_lp_grads()
+            src = g.boundary_grad
+            aliased = g.grad.data_ptr() == src[g.lo:g.hi].data_ptr()
             if world == 1:
                 if not aliased:
-                    g.grad.copy_(g.lp_grad)
+                    g.grad.copy_(src)
                 continue
-            if g.partitioned and g.lp_grad.is_cuda and self.avg.comm_dtype == g.dtype:
+            if g.partitioned and src.is_cuda and self.avg.comm_dtype == src.dtype:
                 self._reduce_scatter(g)
                 if not aliased:
-                    g.grad.copy_(g.lp_grad[g.lo:g.hi])
+                    g.grad.copy_(src[g.lo:g.hi])
             else:
                 for a, b in _chunks(g.padded, self.bucket_size):
                     self._all_reduce_chunk(g, a, b, aliased)
@@ -82,9 +108,10 @@ class BoundaryReducer:
                 g.grad.mul_(self.avg.post)
 
     def _all_reduce_chunk(self, g: FlatGroup, a: int, b: int, aliased: bool) -> None:
-        """All-reduces lp_grad[a:b] in the communication dtype; this rank keeps its partition's part."""
-        chunk = g.lp_grad[a:b]
-        t = chunk if self.avg.comm_dtype == g.dtype else chunk.to(self.avg.comm_dtype)
+        """All-reduces the flat gradient's [a:b] in the communication dtype; this rank keeps its
+        partition's part."""
+        chunk = g.boundary_grad[a:b]
+        t = chunk if self.avg.comm_dtype == chunk.dtype else chunk.to(self.avg.comm_dtype)
         if self.avg.pre != 1.0:
             t.mul_(self.avg.pre)
         comm.all_reduce(t, group=self.pg)
@@ -93,12 +120,12 @@ class BoundaryReducer:
             g.grad[lo - g.lo:hi - g.lo].copy_(t[lo - a:hi - a])
 
     def _reduce_scatter(self, g: FlatGroup) -> None:
-        chunk = max(1, self.bucket_size // g.world)
+        chunk, src = max(1, self.bucket_size // g.world), g.boundary_grad
         if self.avg.pre != 1.0:
-            g.lp_grad.mul_(self.avg.pre)
+            src.mul_(self.avg.pre)
         for a, b in _chunks(g.part, chunk):
-            inputs = [g.lp_grad[r * g.part + a:r * g.part + b] for r in range(g.world)]
-            comm.reduce_scatter(g.lp_grad[g.lo + a:g.lo + b], inputs, group=self.pg)
+            inputs = [src[r * g.part + a:r * g.part + b] for r in range(g.world)]
+            comm.reduce_scatter(src[g.lo + a:g.lo + b], inputs, group=self.pg)
 
     buffers = ()  # (it reduces in the gradients' own storage)
 
@@ -106,12 +133,16 @@ class BoundaryReducer:
         pass
 
     def remove_hooks(self) -> None:
-        pass  # (it installs none: it reduces at the boundary)
+        for h in self._hooks:  # (only fp32-accumulating groups have any: the folding hooks)
+            h.remove()
+        self._hooks = []
 
     def after_step(self) -> None:
         for g in self.groups:
             g.lp_grad.zero_()
-            if g.grad.data_ptr() != g.lp_grad[g.lo:g.hi].data_ptr():
+            if g.acc_grad is not None:
+                g.acc_grad.zero_()
+            if g.grad.data_ptr() != g.boundary_grad[g.lo:g.hi].data_ptr():
                 g.grad.zero_()
 
     def tensors(self):
@@ -134,7 +165,7 @@ class StreamingReducer:
 
     def check_unused(self, unused: List[str]) -> None:
         if unused and not self.ignore_unused:
-            raise RuntimeError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
+            raise EngineUsageError(f"{len(unused)} trainable parameter(s) received no gradient in this backward pass "
                                f"(first: {unused[0]}). Set zero_optimization.ignore_unused_parameters to true to "
                                "allow parameters unused in a step.")
 

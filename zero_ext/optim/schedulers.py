@@ -18,6 +18,8 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..config.errors import InitializeArgumentError
+
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest",
            "DEEPSPEED_SCHEDULER_CLASSES", "build_scheduler", "configure_lr_scheduler"]
 
@@ -435,5 +437,12 @@ def configure_lr_scheduler(client_lr_scheduler: Any, sched_cfg: Any, optimizer: 
         if callable(client_lr_scheduler) and not hasattr(client_lr_scheduler, "step"):
             target = basic_optimizer if basic_optimizer is not None else _torch_optimizer(optimizer)
             return client_lr_scheduler(target)
+        stepped = getattr(client_lr_scheduler, "optimizer", None)
+        if stepped is not None and all(stepped is not o for o in (basic_optimizer, optimizer,
+                                                                  _torch_optimizer(optimizer))):
+            raise InitializeArgumentError(
+                f"zero_ext.initialize: the lr_scheduler object schedules another optimizer "
+                f"({type(stepped).__name__}) than the one the engine steps; build it over the optimizer you pass to "
+                "initialize, or pass a callable taking the optimizer (lr_scheduler=lambda opt: ...)")
         return client_lr_scheduler
     return build_scheduler(sched_cfg, optimizer, total_num_steps)

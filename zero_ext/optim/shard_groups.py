@@ -12,7 +12,9 @@ Here:
   holds piece r of every parameter) and reduce-scattered — NCCL's reduce_scatter_tensor, or on gloo an
   all-reduce of which each rank keeps its block (gloo's reduce-scatter is slower, or missing in older
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
-  at most two in flight, and finished at the end of backward.
+  at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
+  (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead,
+  synchronously.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
@@ -24,6 +26,7 @@ import torch
 from .. import comm
 from .._native import planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
+from .quantized_reduce import reduce_scatter_quantized
 from .._native.planner import Piece
 
 
@@ -103,8 +106,9 @@ class ShardReducer(StreamingReducer):
     MAX_IN_FLIGHT = 2
 
     def __init__(self, groups: List[ShardGroup], zero_model, bucket_size: int, overlap: bool, averaging: Averaging,
-                 rank: int, world: int, ignore_unused: bool, process_group=None):
+                 rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py)
         self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
         self.bucket_size = max(1, bucket_size)
         self.dtype = averaging.comm_dtype
@@ -161,7 +165,13 @@ class ShardReducer(StreamingReducer):
             self.verify_fetch_order()
             if self.avg.pre != 1.0:
                 buf.mul_(self.avg.pre)
-            if buf.is_cuda:
+            if self.quantized:  # one all-to-all, synchronous; the block comes back as an fp32 sum
+                layout, at = [], 0
+                for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
+                    layout.append((at, zp.shard_numel, len(zp.shape) > 1))
+                    at += zp.shard_numel
+                buf = reduce_scatter_quantized(buf, block, layout, self.pg, self.rank, self.world)
+            elif buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
                 buf = out

@@ -128,6 +128,9 @@ class ZeroOptimizer:
     def step(self) -> bool:
         """One optimizer step; False when it was skipped for an fp16 overflow."""
         self.ensure_reduced()
+        prepare = getattr(self.optimizer, "zero_prepare_step", None)
+        if prepare is not None:  # Muon: its groups' gradients become the orthogonalized updates (optim/muon.py)
+            prepare(self)
         scale = self.loss_scaler.cur_scale
         norm = math.sqrt(self.grad_sq_norm()) / scale
         self.global_grad_norm = norm
@@ -247,7 +250,8 @@ class ZeroOptimizer:
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
         if not is_cpu_optimizer(self.optimizer):
             raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
-                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (or pass CPUAdam)")
+                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (torch_adam too), or "
+                              "pass CPUAdam")
         self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
         base = self.optimizer
         for k, g in enumerate(self.flat_groups):

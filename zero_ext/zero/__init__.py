@@ -11,7 +11,9 @@ Files, one noun each (docs/zero3.md has the design):
 - status.py: the enums (ZeroParamStatus, TrainingPhase, FetchKind, TraceState).
 - param.py: ZeroParam, the one owner of a partitioned parameter; guard.py: the class a partitioned
   parameter takes, which refuses in-place writes (PartitionedWriteError).
-- collectives.py: the gathers and scatters, as free functions.
+- collectives.py: the gathers and scatters, as free functions; quantized_gather.py: ZeRO++ qwZ's int8 gather;
+  secondary.py: ZeRO++ hpZ's node-local copies and their gathers; quantized_pieces.py: frozen pieces
+  kept as int8 (zero_quantized_nontrainable_weights).
 - fetch.py: fetch/release and the fetch-order agreement between ranks.
 - convert.py: whole -> partitioned (zero.Init, ZeroModel).
 - init.py: zero.Init; materialise.py: its torch calls on the full value of partitioned parameters.

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import comm
 from .._native import planner
+from .quantized_gather import all_gather_quantized_async
 
 def rank_and_world(group) -> Tuple[int, int]:
     """This process's rank in ``group`` and the group's size (0 and 1 without torch.distributed)."""
@@ -73,15 +74,19 @@ def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Te
 
 
 def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                            numels: Sequence[int], group) -> PendingGather:
+                            numels: Sequence[int], group, quantized: bool = False) -> PendingGather:
     """``all_gather_pieces``, issued with ``async_op=True``: the outputs may be read only after the
     returned gather's ``wait()``. Every rank must issue the same gathers in the same order (gloo and
-    NCCL match collectives by issue order), however many are outstanding."""
+    NCCL match collectives by issue order), however many are outstanding. ``quantized``: ZeRO++ qwZ,
+    the pieces travel as int8 and every rank gets their dequantized values (see [Note: quantized
+    all-gather] in quantized_gather.py; one rank has nothing to send and copies exactly)."""
     rank, world = rank_and_world(group)
     if world == 1:
         for piece, out in zip(pieces, outputs):
             out.copy_(piece)
         return PendingGather(None, None)
+    if quantized:
+        return all_gather_quantized_async(pieces, outputs, group, rank, world, PendingGather)
     if len(pieces) == 1:
         out = outputs[0]
         own = out.view(world, -1)[rank]

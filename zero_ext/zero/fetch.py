@@ -43,6 +43,13 @@ _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of"
               FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters"}
 
 
+# The fetches of the training passes, which ZeRO++ qwZ sends quantized; the others (GatheredParameters,
+# persistence, partitioning, zero.Init) gather exact values, as DeepSpeed's do.
+QUANTIZABLE = frozenset({FetchKind.FORWARD, FetchKind.BACKWARD, FetchKind.EXTERNAL, FetchKind.PREFETCH})
+# The forward's fetches, whose release leaves ZeRO++ hpZ's node-local copy for the backward (secondary.py)
+FORWARD_KINDS = frozenset({FetchKind.FORWARD, FetchKind.EXTERNAL})
+
+
 class FetchOrderError(RuntimeError):
     """Ranks were about to gather different parameters (see [Note: fetch-order agreement])."""
 
@@ -78,14 +85,20 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
     INFLIGHT until ``wait_gathered``. Holds nothing. Returns the number of elements issued."""
     need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
     issued = 0
-    for (group, _, _), bucket in _buckets(need).items():
+    training = site.kind in QUANTIZABLE
+    for (group, _, _, quantized, secondary), bucket in _buckets(need, training).items():
         with internal.section():
             if check:
                 _agree(bucket, site, group, stamp)
             with record_function(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
-                pending = collectives.all_gather_pieces_async([zp.read_piece() for zp in bucket], outputs,
-                                                              [zp.numel for zp in bucket], group)
+                if secondary:  # hpZ: within the node, from the copies kept at the forward's release
+                    pending = bucket[0].secondary.gather_async(bucket, outputs)
+                else:
+                    pending = collectives.all_gather_pieces_async([zp.read_piece() for zp in bucket], outputs,
+                                                                  [zp.numel for zp in bucket], group, quantized)
+                    if site.kind in FORWARD_KINDS and bucket[0].secondary is not None:
+                        bucket[0].secondary.gathered_for_training(bucket)  # hpZ: copy kept at release
                 gather = _Gather(pending, bucket)
                 for zp in bucket:
                     zp.await_gather(gather)
@@ -125,14 +138,20 @@ def release(params: Sequence[ZeroParam], holder) -> None:
                 if zp.status is ZeroParamStatus.INFLIGHT:
                     zp.pending_gather.wait()
                 if zp.status is ZeroParamStatus.AVAILABLE:
+                    if zp.secondary is not None:
+                        zp.secondary.keep(zp)
                     zp.to_partitioned()
 
 
-def _buckets(params: Sequence[ZeroParam]) -> Dict[Tuple, List[ZeroParam]]:
-    """What one all-gather can carry: same process group, compute device and dtype (order kept)."""
+def _buckets(params: Sequence[ZeroParam], training: bool) -> Dict[Tuple, List[ZeroParam]]:
+    """What one all-gather can carry: same process group, compute device, dtype and, for a fetch of the
+    training passes, whether it is quantized (qwZ) or served by the node's secondary copies (hpZ; never
+    quantized: the copies hold the values gathered before). Order kept."""
     out: Dict[Tuple, List[ZeroParam]] = {}
     for zp in params:
-        out.setdefault((zp.group, zp.compute_device, zp.dtype), []).append(zp)
+        secondary = training and zp.secondary is not None and zp.secondary.holds(zp)
+        quantized = training and zp.quantized_gathers and not secondary
+        out.setdefault((zp.group, zp.compute_device, zp.dtype, quantized, secondary), []).append(zp)
     return out
 
 

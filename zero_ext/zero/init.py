@@ -276,6 +276,9 @@ class Init(contextlib.ContextDecorator):
       and a dtype, tensors keep torch's default dtype (DeepSpeed picks fp16 on accelerators).
     - ``mem_efficient_linear``: accepted; zero_ext never keeps gathered weights alive for backward
       (see [Note: freeing gathered storage] in param.py), so there is nothing to switch.
+    - ``zero_quantized_weights``, ``zero_quantized_nontrainable_weights``: accepted; whether the training
+      gathers travel quantized (ZeRO++ qwZ) and frozen pieces are kept as int8 is the engine's config
+      (``zero_optimization.zero_quantized_*``); Init's own gathers are exact.
     - ``enabled=False``: do nothing.
 
     Nested Init contexts share the outermost one's settings.
@@ -291,8 +294,6 @@ class Init(contextlib.ContextDecorator):
         if not enabled:
             return
         unsupported = {"zero_param_parallel_group": zero_param_parallel_group is not None,
-                       "zero_quantized_weights": zero_quantized_weights,
-                       "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
                        "sequence_data_parallel_group": sequence_data_parallel_group is not None,
                        "param_swapper": param_swapper is not None}
         given = [k for k, v in unsupported.items() if v]

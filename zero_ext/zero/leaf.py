@@ -5,13 +5,18 @@ batch, in an order decided by the data): per-child hooks would gather in a rank-
 order. A leaf gathers every parameter below it before its forward and releases them after; its
 descendants get no hooks. DeepSpeed's names: set_z3_leaf_modules, unset_z3_leaf_modules,
 set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, set_z3_leaf_module, get_z3_leaf_modules,
-z3_leaf_module, z3_leaf_parameter. Mark leaves before the engine is built.
+z3_leaf_module, z3_leaf_parameter. Mark leaves before the engine is built. The config can mark them
+too: ``leaf_module`` (classes, names, suffixes) and ``stage3_module_granularity_threshold`` (every module
+whose parameters per layer are at most the threshold: set_leaf_modules_by_granularity).
 """
+import logging
+import sys
 from typing import Iterable, List, Sequence, Tuple, Union
 
 import torch
 
 LEAF_ATTR = "_z3_leaf"
+logger = logging.getLogger("zero_ext.zero")
 
 
 def _matches(module: torch.nn.Module, classes: Sequence[Union[type, str]]) -> bool:
@@ -119,4 +124,73 @@ def apply_leaf_config(model: torch.nn.Module, classes: Iterable[str], names: Ite
         if name in names or (suffixes and name.endswith(suffixes)) or _matches(m, classes):
             setattr(m, LEAF_ATTR, True)
             marked.append(m)
+    return marked
+
+
+# -- zero_optimization.stage3_module_granularity_threshold ----------------------------------------------------
+
+_MAX_LEAF_ELEMENTS = 10 ** 9  # a larger subtree is never one leaf: it would hold too much gathered at once
+_CONTAINERS = frozenset(torch.nn.modules.container.__all__)  # ModuleList & co. may never run forward
+
+
+def module_granularity(model: torch.nn.Module) -> dict:
+    """id(module) -> its granularity, DeepSpeed's measure of how fine-grained a module is: the parameter
+    elements of its subtree divided by its layers (itself plus the torch leaf modules below it, containers
+    not counted). Modules without parameters, torch leaf modules, containers and subtrees over 1e9
+    elements get sys.maxsize (never a leaf by threshold)."""
+    out = {}
+
+    def walk(m):  # -> (layers, parameter elements) of m's subtree
+        if next(m.parameters(), None) is None:
+            out[id(m)] = sys.maxsize
+            return 0, 0
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters(recurse=False))
+        children = list(m.children())
+        if not children:
+            out[id(m)] = sys.maxsize
+            return 1, params
+        layers = 0
+        for c in children:
+            c_layers, c_params = walk(c)
+            layers, params = layers + c_layers, params + c_params
+        if type(m).__name__ in _CONTAINERS:
+            out[id(m)] = sys.maxsize
+            return layers, params
+        layers += 1
+        out[id(m)] = params // layers if params <= _MAX_LEAF_ELEMENTS else sys.maxsize
+        return layers, params
+
+    walk(model)
+    return out
+
+
+def set_leaf_modules_by_granularity(model: torch.nn.Module, threshold: int) -> List[torch.nn.Module]:
+    """``stage3_module_granularity_threshold``: marks as leaves the outermost modules whose granularity
+    is at most ``threshold`` (parents before children: a marked module's subtree is not searched). When
+    no module qualifies, warns with the smallest granularity there is. Returns the modules marked."""
+    if threshold <= 0:
+        return []
+    granularity = module_granularity(model)
+    finest = min(granularity.values())
+    if finest > threshold:
+        smallest = next(type(m).__name__ for m in model.modules() if granularity[id(m)] == finest)
+        logger.warning("stage3_module_granularity_threshold = %d marks no leaf module: the smallest module "
+                       "granularity is %s (%s); set the threshold to at least that to use it", threshold,
+                       finest, smallest)
+        return []
+    marked = []
+
+    def visit(m):
+        if next(m.parameters(), None) is None:
+            return
+        if granularity[id(m)] <= threshold:
+            setattr(m, LEAF_ATTR, True)
+            marked.append(m)
+            return
+        for c in m.children():
+            visit(c)
+
+    visit(model)
+    logger.info("stage3_module_granularity_threshold = %d: %d leaf modules (%s)", threshold, len(marked),
+                ", ".join(sorted({type(m).__name__ for m in marked})))
     return marked

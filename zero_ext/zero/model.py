@@ -29,6 +29,8 @@ from .leaf import z3_leaf_module
 from .meter import GatherMeter
 from .hooks import ModuleCall, ModuleState
 from .param import ZeroParam, zero_param_of
+from .quantized_pieces import QuantizedPieces
+from .secondary import SecondaryPartition
 from .status import FetchKind, ZeroParamStatus
 
 logger = logging.getLogger("zero_ext.zero")
@@ -60,15 +62,20 @@ class ZeroModel:
     ``group``, ``remote_device``, ``pin_memory``: for parameters that are partitioned here (those the
     model still holds whole). ``prefetch_bucket_size``, ``max_live_parameters``, ``max_reuse_distance``
     (elements; DeepSpeed's stage3_* keys) and ``log_trace_cache_warnings``: the prefetch coordinator,
-    see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``meter`` counts the gathered elements of the
-    non-persistent parameters (meter.py), ``coordinator.stats`` what was prefetched.
+    see [Note: ZeRO-3 prefetch trace] (coordinator.py). ``quantized_weights``: ZeRO++ qwZ, the
+    forward and backward gathers travel as int8 (see [Note: quantized all-gather] in
+    quantized_gather.py). ``hpz``: ZeRO++ hpZ, (node group, rank in it, node size) (see [Note: hpZ
+    secondary partition] in secondary.py). ``quantized_frozen``: ZeRO++'s quantized non-trainable
+    weights, frozen parameters' pieces kept as int8 (quantized_pieces.py). ``meter`` counts the gathered elements of the non-persistent parameters
+    (meter.py), ``coordinator.stats`` what was prefetched.
     """
 
     def __init__(self, module: torch.nn.Module, group=None, param_persistence_threshold: int = 100_000,
                  model_persistence_threshold: int = sys.maxsize, check_fetch_order: bool = True,
                  detect_external_params: bool = True, remote_device=None, pin_memory: bool = False,
                  prefetch_bucket_size: int = 50_000_000, max_live_parameters: int = 1_000_000_000,
-                 max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False):
+                 max_reuse_distance: int = 1_000_000_000, log_trace_cache_warnings: bool = False,
+                 quantized_weights: bool = False, hpz=None, quantized_frozen: bool = False):
         if module in _INSTALLED:
             raise RuntimeError(f"zero_ext: ZeRO-3 hooks are already installed on this {type(module).__name__}; "
                                "call destroy() on the first ZeroModel before installing another")
@@ -77,10 +84,20 @@ class ZeroModel:
         convert.partition_module(module, group, remote_device, pin_memory)
         self._params = self._name_params()
         self.meter = GatherMeter()
+        # ZeRO++ hpZ: hpz = (node group, rank in it, node size), see [Note: hpZ secondary partition]
+        self.secondary = SecondaryPartition(hpz[2], hpz[0], hpz[1]) if hpz is not None else None
         for zp in self._params:
             zp.attach_meter(self.meter)
+            zp.quantize_gathers(quantized_weights)
+            zp.attach_secondary(self.secondary)
             if zp.status is not ZeroParamStatus.NOT_AVAILABLE and not zp.persist:
                 self.meter.adjust(zp.numel)  # gathered already (an enclosing GatheredParameters)
+        # zero_quantized_nontrainable_weights: frozen pieces kept as int8 ([Note: quantized frozen pieces])
+        self.frozen_pieces = QuantizedPieces() if quantized_frozen else None
+        if self.frozen_pieces is not None:
+            for zp in self._params:
+                if not zp.param.requires_grad and zp.piece_io is None and zp.status is ZeroParamStatus.NOT_AVAILABLE:
+                    self.frozen_pieces.add(zp)
         self._states: Dict[torch.nn.Module, ModuleState] = OrderedDict()
         for index, (name, m) in enumerate(module.named_modules()):
             self._states[m] = ModuleState(self, m, index, name or "<root>", m is module)
@@ -177,6 +194,7 @@ class ZeroModel:
                 self._end_of_backward()  # the last backward raised before its callback ran
             with internal.section():
                 self.coordinator.begin_step()
+            self.drop_secondary()  # a forward gathers afresh: pieces may have changed since the last
             if self._detector is not None:
                 self._detector.__enter__()
         self._forward_depth += 1
@@ -261,6 +279,11 @@ class ZeroModel:
                     if zp.status is ZeroParamStatus.AVAILABLE and not zp.holders:
                         zp.to_partitioned()
 
+    def drop_secondary(self) -> None:
+        """hpZ: forget the node-local copies (after an optimizer step; when a forward begins)."""
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
     def refresh_persistent(self) -> None:
         """Gather persistent parameters again from their pieces (after an optimizer step). Collective."""
         self.coordinator.drain()  # nothing gathered may outlive the pieces it was gathered from
@@ -288,4 +311,10 @@ class ZeroModel:
         self.persistent = []
         for zp in self._params:
             zp.attach_meter(None)
+            zp.quantize_gathers(False)
+            zp.attach_secondary(None)
+        if self.secondary is not None:
+            self.secondary.destroy()
+        if self.frozen_pieces is not None:  # the pieces become tensors again (their dequantized values)
+            self.frozen_pieces.release_all()
         _INSTALLED.pop(self.module, None)

@@ -120,6 +120,8 @@ class ZeroParam:
         self.pending_gather = None  # while INFLIGHT: the collective filling the storage (fetch.py waits on it)
         self._update_hooks: Dict[int, Callable[["ZeroParam"], None]] = OrderedDict()
         self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme/pieces.py, NVMePieces)
+        self.quantized_gathers = False  # ZeRO++ qwZ: forward/backward gathers travel as int8 (fetch.py)
+        self.secondary = None  # ZeRO++ hpZ: the SecondaryPartition of its ZeroModel (secondary.py), or None
         self.plain_class = type(param)  # while gathered; guarded_class while partitioned (guard.py)
         self.guarded_class = guarded_class(self.plain_class)
         self._views_possible = False  # see [Note: freeing gathered storage]
@@ -229,6 +231,15 @@ class ZeroParam:
     def attach_meter(self, meter) -> None:
         """The GatherMeter of the ZeroModel this parameter now belongs to (None: it left it)."""
         self.meter = meter
+
+    def quantize_gathers(self, on: bool) -> None:
+        """ZeRO++ qwZ: whether the forward and backward gathers of this parameter travel quantized (set by
+        the ZeroModel it belongs to; see [Note: quantized all-gather] in quantized_gather.py)."""
+        self.quantized_gathers = bool(on)
+
+    def attach_secondary(self, secondary) -> None:
+        """ZeRO++ hpZ: the SecondaryPartition keeping this parameter's node-local copy (None: off)."""
+        self.secondary = secondary
 
     def rename(self, name: str) -> None:
         """The parameter's qualified name in its model (for messages)."""

@@ -1,2 +1,2 @@
 """``deepspeed.runtime.zero.utils``."""
-from zero_ext.runtime.zero.utils import is_zero_param  # noqa: F401
+from zero_ext.runtime.zero.utils import ZeRORuntimeException, is_zero_param  # noqa: F401
