@@ -57,6 +57,8 @@ def test_submodules_import_by_statement_in_a_fresh_process():
             "import deepspeed, zero_ext\n"
             "assert deepspeed.checkpointing.checkpoint is zero_ext.checkpointing.checkpoint is checkpoint\n"
             "assert not deepspeed.checkpointing.is_configured() and deepspeed.checkpointing.reset() is None\n"
+            "assert deepspeed.DeepSpeedConfigError is zero_ext.config.ConfigError\n"
+            "assert deepspeed.DeepSpeedConfig is deepspeed.runtime.config.DeepSpeedConfig\n"
             "assert get_optim_files is zero_ext.checkpoint.zero_to_fp32.get_optim_files\n"
             "print(deepspeed.__file__)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([COMPAT, ROOT])}
