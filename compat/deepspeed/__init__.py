@@ -92,5 +92,5 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "ZeroEngine", "zero",
            "comm", "utils", "ops", "runtime", "checkpoint", "accelerator", "OffloadDeviceEnum",
-           "OffloadStateTypeEnum", "tp_model_init", "moe", "checkpointing", "DeepSpeedConfig", "DeepSpeedConfigError", "__version__",
-           "__git_hash__", "__git_branch__"]
+           "OffloadStateTypeEnum", "tp_model_init", "moe", "checkpointing", "DeepSpeedConfig",
+           "DeepSpeedConfigError", "__version__", "__git_hash__", "__git_branch__"]
