@@ -3,9 +3,9 @@
  * The segment (a /dev/shm file, 0600): a header, one seat per rank, then two sets of `world` slots of
  * slot_bytes. An op moves its streams (comm_internal.h) in rounds over windows of slot_bytes: each
  * rank copies its window into its slot of set (round & 1), arrives, waits for every rank to arrive,
- * then copies or reduces out of the slots. A rank writes set (round & 1) again only in round + 2,
- * after everyone arrived at round + 1, i.e. after everyone finished reading round: one barrier per
- * round is enough.
+ * then copies or reduces out of the slots (its own bytes it copies from its input before arriving:
+ * they wait for no one). A rank writes set (round & 1) again only in round + 2, after everyone
+ * arrived at round + 1, i.e. after everyone finished reading round: one barrier per round is enough.
  *
  * An all-reduce of at least one slot runs split (reduce-scatter + all-gather inside each round, two
  * barriers): every rank copies into its slot the shares of the window the others reduce, arrives,

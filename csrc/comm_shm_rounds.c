@@ -93,6 +93,38 @@ static int fail_jobs(struct zx_comm_op *op, int rc)
 	return rc;
 }
 
+/* The reads of window [w0, w1): own == 1, those this rank serves from its own input (its own bytes
+ * inside one input segment: they need no other rank, so they run before the barrier, beside the
+ * writes); own == 0, the rest, out of the slots. Returns 0 or -ENOMEM; *moved counts the bytes. */
+static int add_reads(struct zx_shm *s, int me, const struct zx_comm_op *op, uint64_t set, int64_t w0,
+		     int64_t w1, int own, int64_t *moved)
+{
+	int k = 0; /* own reads come in stream order: one cursor over the segments, not a scan per read */
+	int64_t seg_at = 0, lo, hi;
+	for (int i = 0; i < op->nreads; i++) {
+		const struct zx_comm_read *r = &op->reads[i];
+		if (!overlap(r->off, r->len, w0, w1, &lo, &hi))
+			continue;
+		const char *src = shm_slot(s, set, r->src) + (lo - w0);
+		char *dst = r->dst + (lo - r->off);
+		int from_input = 0;
+		if (r->src == me) { /* own bytes: from the input itself, unless already there */
+			while (k < op->nsegs && seg_at + op->segs[k].len <= lo)
+				seg_at += op->segs[k++].len;
+			if (k < op->nsegs && lo >= seg_at && hi <= seg_at + op->segs[k].len) {
+				src = op->segs[k].ptr + (lo - seg_at);
+				from_input = 1;
+			}
+		}
+		if (from_input != own || src == dst)
+			continue;
+		if (add_job(s, dst, src, 0, hi - lo, 0) < 0)
+			return -ENOMEM;
+		*moved += hi - lo;
+	}
+	return 0;
+}
+
 static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, int64_t w1)
 {
 	struct zx_shm *s = comm->shm;
@@ -106,6 +138,8 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 			moved += hi - lo;
 		}
 	if (!rc)
+		rc = add_reads(s, comm->rank, op, ctx.set, w0, w1, 1, &moved);
+	if (!rc)
 		rc = run_jobs(&ctx, moved);
 	if (rc < 0)
 		return fail_jobs(op, rc);
@@ -113,25 +147,7 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 	if (rc < 0)
 		return rc;
 	moved = 0;
-	int k = 0; /* own reads come in stream order: one cursor over the segments, not a scan per read */
-	int64_t seg_at = 0;
-	for (int i = 0; i < op->nreads && !rc; i++) {
-		const struct zx_comm_read *r = &op->reads[i];
-		if (!overlap(r->off, r->len, w0, w1, &lo, &hi))
-			continue;
-		const char *src = shm_slot(s, ctx.set, r->src) + (lo - w0);
-		char *dst = r->dst + (lo - r->off);
-		if (r->src == comm->rank) { /* own bytes: from the input itself, unless already there */
-			while (k < op->nsegs && seg_at + op->segs[k].len <= lo)
-				seg_at += op->segs[k++].len;
-			if (k < op->nsegs && lo >= seg_at && hi <= seg_at + op->segs[k].len)
-				src = op->segs[k].ptr + (lo - seg_at);
-			if (src == dst)
-				continue;
-		}
-		rc = add_job(s, dst, src, 0, hi - lo, 0);
-		moved += hi - lo;
-	}
+	rc = add_reads(s, comm->rank, op, ctx.set, w0, w1, 0, &moved);
 	int size = op->nreds ? zx_dtype_size(op->dtype) : 1;
 	for (int i = 0; i < op->nreds && !rc; i++) {
 		const struct zx_comm_red *r = &op->reds[i];
