@@ -80,7 +80,7 @@ def _state_read(rank, world, mib, repeat, native):
             "old_gloo": _time(lambda: old(dist.all_reduce), repeat)}
 
 
-def _worker(rank, world, sizes, dtypes, repeat, state_mib, port, queue):
+def _worker(rank, world, sizes, dtypes, repeat, state_mib, wanted, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -106,7 +106,7 @@ def _worker(rank, world, sizes, dtypes, repeat, state_mib, port, queue):
                 "all_reduce": (lambda: native.all_reduce(full, dist.ReduceOp.SUM),
                                lambda: dist.all_reduce(full)),
             }
-            for verb, (nat, gloo) in verbs.items():
+            for verb, (nat, gloo) in ((v, f) for v, f in verbs.items() if v in wanted):
                 try:
                     g = _time(gloo, repeat, inner)
                 except RuntimeError:  # gloo lacks reduce_scatter in some builds
@@ -127,12 +127,14 @@ def main():
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--state-mib", type=float, default=64)
+    ap.add_argument("--verbs", default="all_gather,reduce_scatter,all_reduce")
     args = ap.parse_args()
     sizes, s = [], 64 * 1024
     while s <= args.max_mib * MiB:
         sizes.append(s)
         s *= 4
-    rows = spawn_ranks(_worker, (args.world, sizes, args.dtypes.split(","), args.repeat, args.state_mib), args.world,
+    rows = spawn_ranks(_worker, (args.world, sizes, args.dtypes.split(","), args.repeat, args.state_mib,
+                        args.verbs.split(",")), args.world,
                        timeout=3600, label="bench_comm")[0]
     print(f"{args.world} ranks; times in ms (best of {args.repeat}); x gloo = gloo / native; "
           f"x floor = floor / native")
@@ -140,7 +142,7 @@ def main():
           f"{'x floor':>7}")
     state = rows.pop()
     for r in rows:
-        for verb in ("all_gather", "reduce_scatter", "all_reduce"):
+        for verb in (v for v in ("all_gather", "reduce_scatter", "all_reduce") if v in r):
             nat, gloo = r[verb]
             size = f"{r['size'] / MiB:g} MiB"
             print(f"{r['dtype']:5} {size:>9} {r['floor'] * 1e3:8.2f} | {verb:>14} {nat * 1e3:8.2f} "
