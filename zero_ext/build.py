@@ -179,8 +179,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                     raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
                                      f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
                                      "under zero.Init(config_dict_or_path=<the same config>) so they agree")
-            else:
-                p.data = p.data.to(device=device, dtype=want if p.is_floating_point() else p.dtype)
+            elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
+                p.data = p.data.to(dtype=want)                 # each piece, never the whole model
         for m in model.modules():
             for name, b in list(m.named_buffers(recurse=False)):
                 cast = want if b.is_floating_point() and dtype is not None else b.dtype

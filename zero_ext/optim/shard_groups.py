@@ -24,7 +24,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from .. import comm
-from .._native import planner
+from .._native import cuda, planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
 from .quantized_reduce import reduce_scatter_quantized
 from .._native.planner import Piece
@@ -85,8 +85,8 @@ class ShardGroup:
         return Piece(i, self.rank, self.rank * self.shards[i], self.offsets[i], -1, valid)
 
     def copy_master_to_params(self) -> None:
-        if self.master.data_ptr() != self.flat.data_ptr():
-            self.flat.copy_(self.master)
+        if self.master.data_ptr() != self.flat.data_ptr() and not cuda.cast_into(self.flat, self.master):
+            self.flat.copy_(self.master)  # CPU, or no CUDA library: torch's copy (on CUDA: kernels/cast.cu)
 
     def grad_sq_norm(self) -> torch.Tensor:
         return torch.linalg.vector_norm(self.grad).double() ** 2
