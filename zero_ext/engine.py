@@ -31,6 +31,7 @@ from .checkpoint.files import atomic_torch_save
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.step_check import agree_on_step
 from .zero import GatheredParameters
 from .zero.param import zero_param_of
 
@@ -321,6 +322,8 @@ class ZeroEngine(torch.nn.Module):
             return
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
+            if self.world_size > 1:  # every rank takes this step, or all raise (optim/step_check.py)
+                agree_on_step(self.global_steps, self.optimizer.pg, self.device)
             self._step_applied = self.optimizer.step()
             self._advance("boundary_step", "engine.step")
             if self._step_applied:

@@ -24,6 +24,7 @@ import torch
 from .. import comm
 from .._native import planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
+from .step_check import agree_on_reduction
 from .._native.planner import Piece
 
 
@@ -110,6 +111,7 @@ class ShardReducer(StreamingReducer):
         self.dtype = averaging.comm_dtype
         self.where: Dict[int, Tuple[int, int]] = {id(zp): (gi, i) for gi, g in enumerate(groups)
                                                   for i, zp in enumerate(g.zparams)}
+        self.index = {key: k for k, key in enumerate(self.where)}  # position in the optimizer: every rank's
         self.bucket: List = []
         self.bucket_numel = 0
         self.pending: List = []
@@ -159,6 +161,10 @@ class ShardReducer(StreamingReducer):
         handle = None
         if self.world > 1:
             self.verify_fetch_order()
+            # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
+            # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
+            agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, buf.device,
+                               first_ds_id=members[0].ds_id)
             if self.avg.pre != 1.0:
                 buf.mul_(self.avg.pre)
             if buf.is_cuda:
