@@ -6,6 +6,8 @@ Files:
 - flat_group.py: FlatGroup, one param group flattened (stages 0-2).
 - shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them.
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
+- step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing
+  something else raises, named, on every rank).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.
 - schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
 - factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
