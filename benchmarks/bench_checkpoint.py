@@ -9,8 +9,9 @@ own pair of fresh processes (gloo; DeepSpeed with DS_ACCELERATOR=cpu), in its ow
 from ``--ds-python`` (a venv where the real DeepSpeed is installed; zero_ext's own compatibility
 package, also named ``deepspeed``, is refused by name). A save is timed from a barrier to the end of
 ``save_checkpoint`` on the slower rank, a load likewise; the table shows the best and the median of
-``--rounds`` (each round saves to a new tag, then loads it), and the ratio zero_ext / DeepSpeed of
-each (below 1: zero_ext is faster). Both write to the same file system (``--dir``); the load reads
+``--blocks`` x ``--rounds`` (each round saves to a new tag, then loads it; each block is a fresh pair
+of processes, the two sides taking turns so that a busy spell of the machine hits both), and the
+ratio zero_ext / DeepSpeed of each (below 1: zero_ext is faster). Both write to the same file system (``--dir``); the load reads
 files the save has just written (the page cache holds them, for both alike).
 
 What each writes: zero_ext a manifest with each file's sha256 (computed while writing), one fsync per
@@ -35,7 +36,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python",
                    help="a Python whose `import deepspeed` is the real DeepSpeed ('' to skip it)")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="save + load rounds per block")
+    p.add_argument("--blocks", type=int, default=3, help="fresh process pairs per side, the sides taking turns")
+    p.add_argument("--verbose", action="store_true", help="print every round's times")
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "zero_ext" or "deepspeed": one rank
@@ -75,6 +78,7 @@ def worker(side, rounds, folder):
 
     torch.manual_seed(0)
     model = GPT(256, d=512, heads=8, layers=6, block=128)
+    params = sum(p.numel() for p in model.parameters())  # (before stage 3 partitions them)
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
               "zero_allow_untested_optimizer": True, "wall_clock_breakdown": False}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -97,11 +101,8 @@ def worker(side, rounds, folder):
         loads.append(time.perf_counter() - t)
         if dist.get_rank() == 0:
             shutil.rmtree(os.path.join(folder, f"r{k}"), ignore_errors=True)  # keep the page cache's share even
-    size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(folder) for f in fs)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"save": saves, "load": loads,
-                                      "params": sum(p.numel() for p in model.parameters()), "bytes": size}),
-              flush=True)
+        print("RESULT " + json.dumps({"save": saves, "load": loads, "params": params}), flush=True)
     dist.destroy_process_group()
 
 
@@ -146,14 +147,29 @@ def main():
         worker(args.worker, args.rounds, args.dir)
         return
     base = args.dir or tempfile.gettempdir()
-    results = {"zero_ext": run_side("zero_ext", sys.executable, args.rounds, base, args.timeout)}
+    sides = {"zero_ext": sys.executable}
     if args.ds_python:
-        if not os.path.exists(args.ds_python):
-            results["deepspeed"] = (None, [f"{args.ds_python} does not exist"])
-        else:
-            results["deepspeed"] = run_side("deepspeed", args.ds_python, args.rounds, base, args.timeout)
+        sides["deepspeed"] = args.ds_python
+    results = {side: ({"save": [], "load": []}, None) for side in sides}
+    for block in range(args.blocks):  # the sides take turns, so a busy spell of the machine hits both alike
+        for side, python in sides.items():
+            if results[side][0] is None:
+                continue
+            if not os.path.exists(python):
+                results[side] = (None, [f"{python} does not exist"])
+                continue
+            res, why = run_side(side, python, args.rounds, base, args.timeout)
+            if res is None:
+                results[side] = (None, why)
+                continue
+            for k in ("save", "load"):
+                results[side][0][k].extend(res[k])
+            results[side][0]["params"] = res["params"]
+            if args.verbose:
+                print(f"block {block} {side}: save {[round(x, 3) for x in res['save']]} "
+                      f"load {[round(x, 3) for x in res['load']]}", flush=True)
     ours = results["zero_ext"][0]
-    print(f"ZeRO-3, {ours['params'] / 1e6:.1f}M parameters, {WORLD} ranks, CPU gloo, {args.rounds} rounds; "
+    print(f"ZeRO-3, {ours['params'] / 1e6:.1f}M parameters, {WORLD} ranks, CPU gloo, {args.blocks} x {args.rounds} rounds; "
           f"seconds (best / median); x = zero_ext / DeepSpeed")
     print("| | save best | save median | load best | load median |")
     print("|---|---|---|---|---|")
