@@ -82,6 +82,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     except BaseException:
         made.undo(model, was_partitioned)
         raise
+    if made.zopt is not None and isinstance(made.zopt.reducer, BucketReducer):
+        _name_bucket_members(model, made.zopt)
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
@@ -93,6 +95,13 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
                 cfg.zero_optimization.stage, cfg.precision, world, cfg.train_batch_size,
                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world, comm.transport())
     return engine
+
+
+def _name_bucket_members(model: torch.nn.Module, zopt: ZeroOptimizer) -> None:
+    """Stage 2: the reducer's parameter names, for the error of ranks that reduce different buckets."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    zopt.reducer.names = {k: names.get(id(zopt.flat_groups[gi].params[i]), f"#{k}")
+                          for (gi, i), k in zopt.reducer.index.items()}
 
 
 def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:

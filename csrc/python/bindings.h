@@ -17,7 +17,7 @@ PyObject *zx_int64_list(const int64_t *v, int64_t n);
 /* Each unit's functions (sentinel-terminated), added to the module at exec. */
 extern PyMethodDef zx_planner_methods[]; /* bind_planner.c: partition planner, SIMD level */
 extern PyMethodDef zx_optim_methods[];   /* bind_optim.c: CPU optimizers, bandwidth floor */
-extern PyMethodDef zx_aio_methods[];     /* bind_aio.c: io_uring probe */
+extern PyMethodDef zx_aio_methods[];     /* bind_aio.c: io_uring probe, file checksums */
 extern PyMethodDef zx_comm_methods[];    /* bind_comm.c: communicator ids, the reduction kernel */
 extern PyMethodDef zx_quant_methods[];   /* bind_quant.c: block quantization (ZeRO++ formats) */
 extern PyMethodDef zx_frag_methods[];    /* bind_comm_state.c: one parameter's fragments (safe_state) */

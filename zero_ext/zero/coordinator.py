@@ -52,7 +52,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 from torch.profiler import record_function
 
 from . import collectives
-from .fetch import FetchOrderError, FetchSite, check_agreement, issue, release, wait_gathered
+from .fetch import FetchOrderError, FetchSite, check_agreement, issue, raise_disagreement, release, wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
 from .status import FetchKind, TraceState, ZeroParamStatus
@@ -165,6 +165,8 @@ class PrefetchCoordinator:
         # small all-gather per recording); if they differ, keep fetching on demand (each fetch checked)
         row = [FetchKind.TRACE.value, -1, len(trace), trace.numel, collectives.digest(trace.fingerprint()), 0]
         rows = collectives.agree(row, self._group, self._device)
+        if any(r[0] != FetchKind.TRACE.value for r in rows):  # a rank is elsewhere (e.g. GatheredParameters)
+            raise_disagreement(rows, FetchSite(FetchKind.TRACE, namer=self.namer))
         if any(r[:5] != rows[0][:5] for r in rows):
             self._invalidate("the ranks recorded different fetch orders")
             return

@@ -6,7 +6,8 @@
     with GatheredParameters(model.parameters()):
         print(model.head.weight.sum())       # read-only: changes are discarded
 
-Collective: every rank of the parameters' groups must enter and leave together.
+Collective: every rank of the parameters' groups must enter and leave together, with the same
+parameters and modifier_rank (checked at entry: FetchOrderError on every rank otherwise).
 """
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -14,7 +15,7 @@ import torch
 
 from . import collectives, internal
 from .external import register_external_parameter
-from .fetch import FetchSite, fetch, release
+from .fetch import FetchSite, check_agreement, fetch, release
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind
 
@@ -69,10 +70,23 @@ class GatheredParameters:
             if any(isinstance(h, GatheredParameters) for h in zp.holders):
                 raise RuntimeError(f"Nested GatheredParameters contexts cannot overlap parameters: "
                                    f"{zp.name} is already gathered by an enclosing GatheredParameters")
-        fetch(self.params, self, FetchSite(FetchKind.GATHERED))
+        self._agree()
+        fetch(self.params, self, FetchSite(FetchKind.GATHERED), check=False)
         for zp in self.params:
             zp.expect_views()  # the block may keep views of the values (t = p.detach().numpy())
         return None
+
+    def _agree(self) -> None:
+        """One fetch-order agreement per process group at entry, even when nothing has to be gathered:
+        a rank that enters alone, or with another modifier_rank (whose exit broadcast would meet another
+        collective, or none), fails here on every rank with FetchOrderError naming each rank's block."""
+        groups = {}
+        for zp in self.params:
+            groups.setdefault(zp.group, []).append(zp)
+        modifier = -1 if self.modifier_rank is None else self.modifier_rank
+        for group, zps in groups.items():
+            check_agreement(FetchSite(FetchKind.GATHERED, modifier), [zp.shape for zp in zps], zps[0].ds_id, group,
+                            collectives.check_device(group, zps[0].compute_device))
 
     def __exit__(self, exc_type, exc, tb):
         # the broadcast runs even after an exception, so that a rank that failed alone does not leave
