@@ -3,9 +3,10 @@
     python benchmarks/bench_hooks.py [--modules 200] [--steps 20]
 
 A chain of small Linear layers (16 x 16), so compute is tiny and the per-module cost of fetching and
-releasing dominates. Measured in the same run: plain PyTorch (forward + backward + AdamW), and the
-zero_ext stage 3 engine with and without the fetch-order agreement and the external-parameter
-detector. Prints microseconds per module per step above plain PyTorch.
+releasing dominates. Measured in the same run: plain PyTorch (forward + backward + AdamW), PyTorch's
+FSDP2 (``fully_shard`` on each Linear, then on the root: the same per-module gather and release), and
+the zero_ext stage 3 engine with and without the fetch-order agreement. Prints microseconds per module
+per step above plain PyTorch (a Linear and a Tanh count as two modules), and the ratio to FSDP2's.
 """
 import argparse
 import os
@@ -22,6 +23,28 @@ from zero_ext.zero import fetch  # noqa: E402
 def model(n):
     torch.manual_seed(0)
     return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(n)])
+
+
+def fsdp2_step(n, x):
+    """FSDP2 on the same model: fully_shard per Linear and on the root (None where torch lacks it)."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    m = model(n)
+    for layer in m:
+        fully_shard(layer[0])
+    fully_shard(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    def step():
+        m(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def timed(step, steps):
@@ -52,6 +75,9 @@ def main():
     base = timed(plain, a.steps)
     rows = [("plain PyTorch", base)]
     zero_ext.init_distributed(verbose=False)
+    fsdp = fsdp2_step(a.modules, x)
+    if fsdp is not None:
+        rows.append(("FSDP2 (fully_shard per Linear)", timed(fsdp, a.steps)))
     agreements = {}
     for label, check in (("stage 3", "1"), ("stage 3, no fetch-order check", "0")):
         os.environ["ZERO_EXT_CHECK_FETCH_ORDER"] = check
@@ -70,10 +96,13 @@ def main():
         engine.destroy()
     modules = 2 * a.modules  # a Linear and a Tanh per layer; only the Linear has parameters
     print(f"{a.modules} Linear(16,16)+Tanh layers, 1 rank, best of {a.steps} steps")
-    print(f"{'config':34} {'step ms':>9} {'us/module above plain':>22}")
+    fsdp_extra = dict(rows).get("FSDP2 (fully_shard per Linear)")
+    fsdp_extra = (fsdp_extra - base) / modules * 1e6 if fsdp_extra is not None else None
+    print(f"{'config':34} {'step ms':>9} {'us/module above plain':>22} {'x FSDP2':>8}")
     for label, t in rows:
         extra = (t - base) / modules * 1e6
-        print(f"{label:34} {t * 1e3:9.2f} {extra:22.1f}")
+        ratio = f"{extra / fsdp_extra:8.2f}" if fsdp_extra else f"{'-':>8}"
+        print(f"{label:34} {t * 1e3:9.2f} {extra:22.1f} {ratio}")
     print("fetch-order agreements per step: " + ", ".join(f"{k}: {v}" for k, v in agreements.items()))
     print(f"prefetch counters of the last engine: {stats}")
 
