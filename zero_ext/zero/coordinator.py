@@ -78,8 +78,21 @@ class _Hold:
         return self.why
 
 
+class _PrefetchHold:
+    """The hold of a prefetch for one trace event (described only when someone asks: it is made per
+    event per step)."""
+
+    __slots__ = ("index", "event", "namer")
+
+    def __init__(self, index: int, event, namer):
+        self.index, self.event, self.namer = index, event, namer
+
+    def __repr__(self) -> str:
+        return f"prefetch for fetch {self.index} of the trace ({self.event.describe(self.namer)})"
+
+
 class _Prefetched(NamedTuple):
-    hold: _Hold
+    hold: "_PrefetchHold"
     params: Tuple[ZeroParam, ...]  # all of the event's parameters: gathered for it or found gathered
     issued: int  # elements this prefetch gathered
 
@@ -298,6 +311,8 @@ class PrefetchCoordinator:
             return
         self._ahead = j
         needed = [zp for _, need in batch for zp in need]
+        if not needed:
+            return
         if needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
             site = FetchSite(FetchKind.PREFETCH, events[batch[0][0]].module_index, "", self.namer)
             self._agree(site, [zp.shape for zp in needed], needed[0].ds_id, self._stamp() + (batch[0][0], j))
@@ -305,7 +320,9 @@ class PrefetchCoordinator:
         with internal.labelled(f"zero_ext::prefetch (fetches {batch[0][0]}-{j - 1})"):
             for k, need in batch:
                 ev = events[k]
-                hold = _Hold(f"prefetch for fetch {k} of the trace ({ev.describe(self.namer)})")
+                if not need and not any(id(zp) in planned for zp in ev.params):
+                    continue  # gathered before this batch (kept for reuse): no prefetch to hold it for
+                hold = _PrefetchHold(k, ev, self.namer)
                 for zp in ev.params:
                     zp.hold(hold)
                 issued = issue(need, FetchSite(ev.kind, ev.module_index, "", self.namer), check=False)
