@@ -101,3 +101,52 @@ def test_trl_unwrap_model_for_generation_generates_the_unpartitioned_tokens(site
         assert hooks_inside == (0, 0) and ds_hooks_inside == 0
         assert hooks_after == (1, True)
         assert all(loss == loss for loss in losses) and len(losses) == 4
+
+
+# -- SFTTrainer at ZeRO-3 against DDP ------------------------------------------------------------------------
+
+def _word_tokenizer():
+    """A word-level tokenizer over a 60-word vocabulary, built offline (no hub download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"w{i}": i + 3 for i in range(61)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _sft(site_dir, out_dir, ds_config):
+    """TRL's SFTTrainer on 16 random 'sentences' for 4 optimizer steps (micro batch 2, accumulation 2, 2
+    ranks); returns the logged losses."""
+    _use_compat(site_dir)
+    _quiet()
+    import random
+
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    _reset_accelerate()
+    extra = _deepspeed_state_on_cpu() if ds_config is not None else {"use_cpu": True}
+    rng = random.Random(0)
+    texts = [" ".join(f"w{rng.randrange(61)}" for _ in range(12)) for _ in range(16)]
+    args = SFTConfig(output_dir=out_dir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=4,
+                     learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, data_seed=0, disable_tqdm=True,
+                     save_strategy="no", deepspeed=ds_config, dataloader_pin_memory=False, max_length=16, bf16=False,
+                     **extra)
+    trainer = SFTTrainer(model=_tiny_gpt2(), args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=_word_tokenizer())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    _reset_accelerate()
+    return losses
+
+
+def test_trl_sft_trainer_zero3_matches_ddp(site, tmp_path):
+    from test_compat_hf_trainer import ZERO3
+
+    ddp = run_ranks(2, _sft, site, str(tmp_path / "ddp"), None, timeout=TIMEOUT)[0]
+    zero3 = run_ranks(2, _sft, site, str(tmp_path / "z3"), ZERO3, timeout=TIMEOUT)[0]
+    assert len(ddp) == 4 and len(zero3) == 4
+    for a, b in zip(zero3, ddp):
+        assert abs(a - b) <= 1e-5 * abs(b), (zero3, ddp)
