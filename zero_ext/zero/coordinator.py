@@ -204,23 +204,22 @@ class PrefetchCoordinator:
         for zp in params:
             zp.hold(call)
         traced = [zp for zp in params if not zp.persist]
-        site = call.state.site(kind)
         if traced:
-            if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params, site):
+            if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params):
                 return
             if self.state is TraceState.RECORD:
                 self._recording.append(make_event(kind, call.state.index, traced))
-        issue(params, site, self.check, self._stamp())
+        issue(params, call.state.site(kind), self.check, self._stamp())
         wait_gathered(params)
 
-    def _follow(self, call, kind: FetchKind, traced, params, site: FetchSite) -> bool:
+    def _follow(self, call, kind: FetchKind, traced, params) -> bool:
         """The fetch along a complete trace; False when it leaves the trace (then fetched on demand)."""
         i, index = self._pos, call.state.index
         ev = self.trace.events[i] if i < len(self.trace) else None
         if ev is None or not ev.matches(kind, index, traced):
             expected = ev.describe(self.namer) if ev is not None else "end of the trace"
             self._leave(f"fetch {i} is the {kind.name.lower()} of module {self.namer(index)}, the trace has "
-                        f"the {expected}", site, traced)
+                        f"the {expected}", call.state.site(kind), traced)
             return False
         self._pos, self._last_module = i + 1, index
         self._unverified += 1
@@ -230,7 +229,7 @@ class PrefetchCoordinator:
         missing = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
         if missing:
             self._make_room(sum(zp.numel for zp in missing if not zp.persist), traced)
-            issue(missing, site, self.check, self._stamp())
+            issue(missing, call.state.site(kind), self.check, self._stamp())
             if self.check:
                 self._unverified = 0
             self.stats.on_demand += 1
@@ -335,14 +334,17 @@ class PrefetchCoordinator:
         reuse, wrapped = self.trace.next_use[i], self.trace.wrap_use[i] if wrap else {}
         leaving = [zp for zp in call.params if not zp.persist and zp.held_only_by(call)
                    and zp.status is not ZeroParamStatus.NOT_AVAILABLE]
-        after = self.meter.live - sum(zp.numel for zp in leaving)  # the gathered total once they are released
+        after = self.meter.live  # the gathered total once those not kept are released
+        for zp in leaving:
+            after -= zp.numel
+        n, hold, retained = len(self.trace), self._retain_hold, self._retained
         for zp in leaving:
             r, later = reuse.get(id(zp)), 0
             if r is None:
-                r, later = wrapped.get(id(zp)), len(self.trace)  # used next in the next repetition
+                r, later = wrapped.get(id(zp)), n  # used next in the next repetition
             if r is not None and r.distance <= self.max_reuse and after + zp.numel <= self.max_live:
-                zp.hold(self._retain_hold)
-                self._retained[zp] = r.index + later
+                zp.hold(hold)
+                retained[zp] = r.index + later
                 after += zp.numel
                 self.stats.retained += 1
 

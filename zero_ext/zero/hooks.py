@@ -107,7 +107,8 @@ class ModuleState:
         self.name = name
         self.is_root = is_root
         self._handles = []
-        self._params_cache = (-1, False, [])  # (external registry version, leaf, zero_params())
+        # (external registry version, zero_params()); leaf modules are marked before the hooks are installed
+        self._params_cache = (-1, [])
 
     def register(self) -> None:
         if self._handles:
@@ -125,11 +126,10 @@ class ModuleState:
     def zero_params(self) -> List[ZeroParam]:
         """The ZeRO-3 parameters this module gathers: its own, then those external to it (cached until an
         external parameter is registered or unregistered anywhere)."""
-        leaf = z3_leaf_module(self.module)  # a leaf module gathers its whole subtree (leaf.py)
-        version, was_leaf, params = self._params_cache
-        if version != registry_version() or was_leaf != leaf:
-            params = self._find_params(leaf)
-            self._params_cache = (registry_version(), leaf, params)
+        version, params = self._params_cache
+        if version != registry_version():
+            params = self._find_params(z3_leaf_module(self.module))  # a leaf gathers its whole subtree (leaf.py)
+            self._params_cache = (registry_version(), params)
         return params
 
     def _find_params(self, leaf: bool) -> List[ZeroParam]:
