@@ -133,16 +133,25 @@ def _repeat_case():
         except FetchOrderError as exc:
             raised = str(exc)
     zm.destroy()
+    # under a max_live_parameters that holds one weight (64 elements) and its bias: kept within it
+    limited = _Branchy()
+    limited.load_state_dict(plain.state_dict())
+    zm = ZeroModel(limited, param_persistence_threshold=0, max_live_parameters=80)
+    with torch.no_grad():
+        limited_outs = [torch.equal(limited(x), plain(x)) for _ in range(4)]
+    peak = zm.meter.peak
+    zm.destroy()
     del zero_ext
-    return gathers, outs, raised
+    return gathers, outs, raised, limited_outs, peak
 
 
 def test_forwards_without_autograd_repeat_the_trace_and_gather_once():
-    for gathers, outs, raised in run_ranks(2, _repeat_case, timeout=60):
-        assert all(outs)
+    for gathers, outs, raised, limited_outs, peak in run_ranks(2, _repeat_case, timeout=60):
+        assert all(outs) and all(limited_outs)
         # step 1 records (gathering on demand), step 2 follows the trace and keeps what the next repeats
         assert gathers[2] == gathers[3] == gathers[4] > 0, gathers
         assert raised is not None and "rank 0" in raised and "rank 1" in raised
+        assert peak <= 80 + 72, peak  # the limit, plus the running module's own parameters
 
 
 # -- the memory check ----------------------------------------------------------------------------------
