@@ -64,11 +64,14 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
 
     def once(model, around):
         torch.distributed.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        e0 = time.perf_counter()
         with around():
+            t0, c0 = time.perf_counter(), time.process_time()
             out = model.generate(prompt, **kw)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-        return (wall / tokens * 1e3, cpu / tokens * 1e3), out[0, prompt.shape[1]:].tolist()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            e1 = time.perf_counter()
+        entry = (time.perf_counter() - e0) - (e1 - t0)  # entering and leaving the block: the gather, once
+        return (wall / tokens * 1e3, cpu / tokens * 1e3, entry * 1e3), out[0, prompt.shape[1]:].tolist()
 
     import contextlib
 
@@ -90,12 +93,11 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
     once(model, contextlib.nullcontext)
     counts = (fetch.agreements() - before[0]) / tokens, (engine.zero_model.meter.gathers - before[1]) / tokens
     # round-robin, best of the rounds per mode: every mode sees the same load on a shared machine
-    results = {mode: ((float("inf"), float("inf")), None) for mode in runs}
+    results = {mode: ((float("inf"),) * 3, None) for mode in runs}
     for _ in range(repeats):
         for mode, (m, around) in runs.items():
-            (wall, cpu), toks = once(m, around)
-            best = results[mode][0]
-            results[mode] = ((min(wall, best[0]), min(cpu, best[1])), toks)
+            times, toks = once(m, around)
+            results[mode] = (tuple(min(a, b) for a, b in zip(times, results[mode][0])), toks)
     stats = engine.zero_model.coordinator.stats.as_dict()
     engine.destroy()
     unchecked.destroy()
@@ -112,16 +114,20 @@ def main():
     a = p.parse_args()
     for kind in a.models.split(","):
         results, counts, stats = spawn_ranks(worker, (a.world, kind, a.tokens, a.repeats), a.world, 900, kind)[0]
-        base_wall, base_cpu = results["unpartitioned"][0]
+        base_wall, base_cpu, _ = results["unpartitioned"][0]
         n = sum(p.numel() for p in build(kind).parameters())
         print(f"\n{kind}: {n / 1e6:.1f}M parameters, {a.tokens} new tokens, greedy, synced_gpus=True, "
               f"{a.world} CPU ranks (gloo), best of {a.repeats} rounds")
         print(f"{'mode':22} {'ms/token':>9} {'x unpart.':>10} {'CPU ms/token':>13} {'x unpart.':>10} "
-              f"{'same tokens':>12}")
+              f"{'block ms':>9} {'same tokens':>12}")
         for mode in MODES:
-            (wall, cpu), toks = results[mode]
+            (wall, cpu, entry), toks = results[mode]
             same = "yes" if toks == results["unpartitioned"][1] else "NO"
-            print(f"{mode:22} {wall:9.2f} {wall / base_wall:10.2f} {cpu:13.2f} {cpu / base_cpu:10.2f} {same:>12}")
+            block = f"{entry:9.1f}" if mode in ("gathered", "generation mode") else f"{'-':>9}"
+            print(f"{mode:22} {wall:9.2f} {wall / base_wall:10.2f} {cpu:13.2f} {cpu / base_cpu:10.2f} {block} "
+                  f"{same:>12}")
+        print("ms/token: inside the block for gathered / generation mode; block ms: entering and leaving it "
+              "(the whole-model gather and, for generation mode, the memory check), once per generate call")
         print(f"partitioned, per token after the recording: {counts[0]:.2f} fetch-order agreements, "
               f"{counts[1]:.2f} parameter gathers; "
               f"coordinator: {stats}")

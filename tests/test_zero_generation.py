@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers.harness import RankFailed, run_ranks
+from helpers.harness import run_ranks
 from helpers.zero3 import rank
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
