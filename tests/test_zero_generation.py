@@ -225,3 +225,42 @@ def test_detector_runs_in_recording_steps_only_and_tied_weights_still_work():
         # step 1 records (the tied use is detected and registered); the registration changes the next
         # step's fetches, so step 2 leaves the trace and step 3 records again; step 4 follows it
         assert (detecting, recorded) == ([True, False, True, False], 2)
+
+
+# -- a training step inside a whole-model block ---------------------------------------------------------
+
+def _train_inside_case():
+    import zero_ext
+    from zero_ext.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    model, plain = _Branchy(), _Branchy()
+    plain.load_state_dict(model.state_dict())
+    # no weight decay: the unused branch (c) has no gradient in plain PyTorch, which AdamW then skips
+    cfg = {"train_micro_batch_size_per_gpu": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine = zero_ext.initialize(model=model, config=cfg)[0]
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.0)
+    xs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(10 * s + r)) for s in range(3) for r in (0, 1)]
+    for s in range(3):
+        x = xs[2 * s + rank()]
+        if s == 1:  # the middle step inside a block holding every parameter: the hooks are off
+            with GatheredParameters(list(model.parameters())):
+                engine.backward(engine(x).pow(2).mean())
+        else:
+            engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        both = torch.cat([xs[2 * s], xs[2 * s + 1]])
+        plain(both[:2]).pow(2).mean().mul(0.5).add(plain(both[2:]).pow(2).mean().mul(0.5)).backward()
+        opt.step()
+        opt.zero_grad()
+    with GatheredParameters(list(model.parameters())):
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
+    engine.destroy()
+    return diff
+
+
+def test_a_training_step_inside_a_whole_model_block_still_reduces_gradients():
+    for diff in run_ranks(2, _train_inside_case, timeout=60):
+        assert diff <= 1e-5, diff
