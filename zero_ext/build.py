@@ -44,6 +44,7 @@ from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .zero import ZeroModel, unpartition
+from .zero.ds_surface import ParameterOffload
 from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
 from .zero.secondary import node_groups
@@ -72,6 +73,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world)
+            if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
+                made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
                 _attach_nvme(made.zopt, cfg)
         if made.nvme_pieces is not None:

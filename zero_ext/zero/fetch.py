@@ -27,7 +27,6 @@ numbering drifted (an extra model built on one rank) are not reported as diverge
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.profiler import record_function
 
 from . import collectives, internal
 from .param import ZeroParam, zero_param_by_ds_id
@@ -92,7 +91,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
         with internal.section():
             if check:
                 _agree(bucket, site, group, stamp)
-            with record_function(f"zero_ext::all_gather ({site.label})"):
+            with internal.labelled(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
                 if secondary:  # hpZ: within the node, from the copies kept at the forward's release
                     pending = bucket[0].secondary.gather_async(bucket, outputs)
@@ -112,7 +111,7 @@ def wait_gathered(params: Sequence[ZeroParam]) -> None:
     """Wait for those of ``params`` still INFLIGHT; afterwards each is AVAILABLE (or was partitioned)."""
     for zp in params:
         if zp.status is ZeroParamStatus.INFLIGHT:
-            with internal.section(), record_function("zero_ext::wait_gather"):
+            with internal.section(), internal.labelled("zero_ext::wait_gather"):
                 zp.pending_gather.wait()
 
 

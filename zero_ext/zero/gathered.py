@@ -51,6 +51,7 @@ class GatheredParameters:
                  fwd_module: Optional[torch.nn.Module] = None, enabled: bool = True):
         self.modifier_rank = modifier_rank
         self.params: List[ZeroParam] = []
+        self._pinned = []  # (GatherMeter, parameters of its model this block holds), while entered
         if not enabled:
             return
         if isinstance(params, torch.Tensor):
@@ -74,6 +75,7 @@ class GatheredParameters:
         fetch(self.params, self, FetchSite(FetchKind.GATHERED), check=False)
         for zp in self.params:
             zp.expect_views()  # the block may keep views of the values (t = p.detach().numpy())
+        self._pin(1)
         return None
 
     def _agree(self) -> None:
@@ -88,10 +90,25 @@ class GatheredParameters:
             check_agreement(FetchSite(FetchKind.GATHERED, modifier), [zp.shape for zp in zps], zps[0].ds_id, group,
                             collectives.check_device(group, zps[0].compute_device))
 
+    def _pin(self, sign: int) -> None:
+        """Tell each model's GatherMeter how many of its parameters this block holds: a block over a whole
+        model turns that model's hooks off (see [Note: whole-model gathered] in model.py)."""
+        if sign > 0:
+            counts = {}
+            for zp in self.params:
+                if zp.meter is not None:
+                    counts[zp.meter] = counts.get(zp.meter, 0) + 1
+            self._pinned = list(counts.items())
+        for meter, count in self._pinned:
+            meter.pin(sign * count)
+        if sign < 0:
+            self._pinned = []
+
     def __exit__(self, exc_type, exc, tb):
         # the broadcast runs even after an exception, so that a rank that failed alone does not leave
         # the others waiting in it
         try:
+            self._pin(-1)
             if self.modifier_rank is not None:
                 adopt_values_of(self.modifier_rank, self.params)
         finally:

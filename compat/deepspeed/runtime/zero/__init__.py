@@ -3,3 +3,4 @@ from zero_ext.runtime.zero import (GatheredParameters, Init, TiledLinear, ZeroPa
                                    register_external_parameter)
 from . import (config, offload_config, offload_states, partition_parameters, stage3, stage_1_and_2,  # noqa: F401
                tiling, utils)
+from .stage3 import unwrap_model_for_generation  # noqa: F401
