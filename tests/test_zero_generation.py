@@ -62,11 +62,11 @@ def _generation_case(kind):
     seen = {}
     for label, block in (("gathered", lambda: GatheredParameters(list(model.parameters()))),
                          ("generation", lambda: generation(engine))):
-        before = fetch.agreements()
-        with block():
+        with block():  # (entering runs one agreement: ranks must enter the same block, test_engine_rank_faults)
+            before = fetch.agreements()
             hooks = sum(len(m._forward_pre_hooks) for m in model.modules())
             got[label] = _generate(model, prompt, new, synced=False)
-        seen[label] = (fetch.agreements() - before, hooks)
+            seen[label] = (fetch.agreements() - before, hooks)
     # what the blocks gathered is given back (the coordinator may keep what the next decoding step reuses)
     partitioned_after = all(p.ds_status is ZeroParamStatus.NOT_AVAILABLE or zero_param_of(p).holders
                             for p in model.parameters())
