@@ -14,7 +14,16 @@ slower rank's (both start from a barrier); the table shows the best of the timed
 disturbed by other processes on the machine) and their median. Ratios are
 against DDP measured in the same run, never against numbers from another day. Every stage the config
 accepts is measured, and PyTorch FSDP2 (fully_shard per block and at the root) beside stage 3.
+
+With ``--ds-python <venv>/bin/python`` (a venv where DeepSpeed 0.19.x is installed) the real DeepSpeed
+runs the same model, batches and config at stages 1-3 as "ds-z1".."ds-z3" (bench_step_ds.py: CPU
+accelerator, gloo; zero_ext's own `deepspeed` compatibility package is refused by name).
+``--rounds N`` runs every configuration N times, interleaved (ddp, z1, ..., ds-z3, then again), and
+reports per configuration the median over rounds of each round's median step (best: the best step of
+all rounds), with a line checking issue 18's targets on those medians.
 """
+import json
+import subprocess
 import argparse
 import os
 import resource
@@ -50,6 +59,9 @@ def parse_args():
     p.add_argument("--block", type=int, default=128)
     p.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(ZERO_CONFIGS))
     p.add_argument("--timeout", type=float, default=240, help="seconds per configuration")
+    p.add_argument("--ds-python", default=os.environ.get("ZERO_EXT_DS_PYTHON"),
+                   help="Python of a venv with DeepSpeed installed: adds DeepSpeed's stages 1-3")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved runs of every configuration")
     return p.parse_args()
 
 
@@ -227,6 +239,49 @@ def run_config(name: str, args):
             "agreements": results[0]["agreements"]}
 
 
+DS_CONFIGS = {"ds-z1": "z1", "ds-z2": "z2", "ds-z3": "z3"}
+
+
+def run_deepspeed(name: str, args):
+    """One DeepSpeed configuration in the DeepSpeed venv (bench_step_ds.py), as run_config's dict."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_step_ds.py")
+    cmd = [args.ds_python, script, "--name", DS_CONFIGS[name], "--config",
+           json.dumps(zero_config(DS_CONFIGS[name], args.batch)), "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--batch", str(args.batch), "--block", str(args.block), "--timeout", str(args.timeout)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # this checkout's compat package stays out
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout + 600, env=env)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def combine(runs):
+    """Rounds of one configuration: medians of the rounds' medians, bests of their bests."""
+    out = dict(runs[-1])
+    for key in ("step", "opt", "update"):
+        out[key] = statistics.median(r[key] for r in runs)
+    for key in ("best", "opt_best", "update_best"):
+        out[key] = min(r[key] for r in runs)
+    out["rounds"] = [r["step"] for r in runs]
+    return out
+
+
+def print_targets(rows) -> None:
+    """Issue 18's targets on the median steps (2 gloo ranks, fp32)."""
+    def ratio(a, b):
+        return rows[a]["step"] / rows[b]["step"] if a in rows and b in rows else float("nan")
+    checks = [("z3", "ddp", 1.15), ("z3", "ds-z3", 0.8), ("z3", "fsdp2", 0.7), ("z1", "ddp", 1.05),
+              ("z2", "ddp", 1.05), ("z1", "ds-z1", None), ("z2", "ds-z2", None)]
+    parts = []
+    for a, b, target in checks:
+        r = ratio(a, b)
+        if r == r:
+            parts.append(f"{a}/{b} {r:.2f}" + (f" (target <= {target}: {'met' if r <= target else 'NOT met'})"
+                                               if target else ""))
+    print("median step ratios: " + "; ".join(parts))
+
+
 def print_table(rows, args) -> None:
     ref = rows["ddp"]
     params = ref["params"]
@@ -271,17 +326,24 @@ notes:
 def main():
     args = parse_args()
     args.load = os.getloadavg()[0]
-    names = ["ddp"] + accepted_configs() + ["fsdp2"]
+    names = ["ddp"] + accepted_configs() + ["fsdp2"] + (list(DS_CONFIGS) if args.ds_python else [])
     if args.configs:
         wanted = args.configs.split(",")
         names = ["ddp"] + [n for n in names if n in wanted and n != "ddp"]  # ratios need DDP
-    rows = {}
-    for name in names:
-        t0 = time.perf_counter()
-        rows[name] = run_config(name, args)
-        print(f"{name}: best {rows[name]['best']:.3f} s/step ({time.perf_counter() - t0:.0f} s with start-up)",
-              flush=True)
+    runs = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for name in names:
+            t0 = time.perf_counter()
+            row = run_deepspeed(name, args) if name in DS_CONFIGS else run_config(name, args)
+            runs[name].append(row)
+            print(f"round {round_ + 1} {name}: median {row['step']:.3f} best {row['best']:.3f} s/step "
+                  f"({time.perf_counter() - t0:.0f} s with start-up; load {os.getloadavg()[0]:.1f})", flush=True)
+    rows = {name: combine(r) for name, r in runs.items()}
     print_table(rows, args)
+    if args.rounds > 1:
+        print("per-round median steps: " + "; ".join(
+            f"{n} " + "/".join(f"{x:.3f}" for x in r["rounds"]) for n, r in rows.items()))
+    print_targets(rows)
 
 
 if __name__ == "__main__":

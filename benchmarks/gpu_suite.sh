@@ -4,6 +4,8 @@
 # and prints a short table. Usage: bash benchmarks/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# zero_ext's own NCCL transport and CUDA kernels on the engine's path (off by default until verified here)
+export ZERO_EXT_CUDA_LIB=1
 PY=${PYTHON:-python3}
 start=$(date +%s)
 ZERO_EXT_CUDA=1 "$PY" -m pip install --quiet --no-build-isolation --no-deps -e . || { echo "build failed"; exit 1; }

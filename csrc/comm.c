@@ -293,7 +293,8 @@ int zx_comm_all_gather_v(struct zx_comm *comm, const void *in, void *out, const 
 
 /* The reductions: every rank sends `elems` elements; `reds` say what this rank keeps. */
 static int reduction(struct zx_comm *comm, const char *verb, const void *in, int64_t elems, int dtype,
-		     int redop, double scale, int64_t off, void *out, int64_t count, struct zx_comm_op **opp)
+		     int redop, double scale, int64_t off, void *out, int64_t count, int split,
+		     struct zx_comm_op **opp)
 {
 	int size = zx_dtype_size(dtype);
 	if (!size || !bytes_ok(elems, size) || count < 0 || (elems && !in))
@@ -309,6 +310,7 @@ static int reduction(struct zx_comm *comm, const char *verb, const void *in, int
 	op->dtype = dtype;
 	op->redop = redop;
 	op->scale = scale;
+	op->split = split; /* the transport decides whether splitting pays (comm_shm.c) */
 	add_seg(op, in, elems * size);
 	if (out && count)
 		op->reds[op->nreds++] = (struct zx_comm_red){ off * size, out, count };
@@ -321,7 +323,7 @@ int zx_comm_reduce_scatter(struct zx_comm *comm, const void *in, void *out, int6
 	if (count < 0 || count > INT64_MAX / comm->world)
 		return -EINVAL;
 	return reduction(comm, "reduce_scatter", in, count * comm->world, dtype, redop, scale,
-			 count * comm->rank, out, count, opp);
+			 count * comm->rank, out, count, 0, opp);
 }
 
 int zx_comm_all_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype,
@@ -329,7 +331,7 @@ int zx_comm_all_reduce(struct zx_comm *comm, const void *in, void *out, int64_t 
 {
 	if (count && !out)
 		return -EINVAL;
-	return reduction(comm, "all_reduce", in, count, dtype, redop, scale, 0, out, count, opp);
+	return reduction(comm, "all_reduce", in, count, dtype, redop, scale, 0, out, count, 1, opp);
 }
 
 int zx_comm_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype, int redop,
@@ -338,7 +340,7 @@ int zx_comm_reduce(struct zx_comm *comm, const void *in, void *out, int64_t coun
 	if (root < 0 || root >= comm->world || (comm->rank == root && count && !out))
 		return -EINVAL;
 	return reduction(comm, "reduce", in, count, dtype, redop, scale, 0, comm->rank == root ? out : NULL,
-			 count, opp);
+			 count, 0, opp);
 }
 
 int zx_comm_broadcast(struct zx_comm *comm, void *buf, int64_t bytes, int root, struct zx_comm_op **opp)

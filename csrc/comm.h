@@ -124,4 +124,39 @@ void zx_comm_op_free(struct zx_comm_op *op);
 int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
 			  int64_t count, int isa);
 
+/* --- one parameter's fragments: the data path of the state routines (safe_get / safe_set) --------
+ *
+ * A parameter of `numel` elements is cut into per-rank fragments that tile it in rank order:
+ *   ZX_FRAG_FLAT    (stages 0-2) it starts at element `offset` of its group's flat buffer, which is cut
+ *                   into `world` partitions of `part` elements; rank r holds its overlap with
+ *                   [r * part, (r + 1) * part) (possibly empty, possibly straddling);
+ *   ZX_FRAG_SHARDS  (stage 3) shards of `part` = ceil(numel / world) elements; rank r's real elements
+ *                   are numel - r * part clamped to [0, part], at `offset` of its own partition (the
+ *                   rest of its shard is padding).
+ * Values are fp32 (master weights, the fp32 gradient partition, optimizer state). */
+enum zx_frag_layout { ZX_FRAG_FLAT = 0, ZX_FRAG_SHARDS = 1 };
+
+/* Each rank's fragment: counts[r] real elements, starting at param_at[r] within the parameter and at
+ * part_at[r] within rank r's partition (arrays of `world`). 0 or -EINVAL. */
+int zx_frag_map(int layout, int64_t numel, int64_t offset, int64_t part, int world, int64_t *counts,
+		int64_t *param_at, int64_t *part_at);
+
+/* The full parameter from every rank's fragment: out (numel fp32) = the fragments in rank order (an
+ * all-gather-v moving only real bytes), each element then divided by `divisor` when it is not 1 (IEEE
+ * division, as torch's `x / s`). `partition` is this rank's partition; its fragment lies at
+ * part_at[rank]. Collective (every rank, same parameter, same order as the other ops) and blocking.
+ * comm NULL: a map of one rank (state every rank holds whole), nothing is communicated.
+ * Returns 0 or -errno; a failed collective leaves its message in msg. */
+int zx_frag_gather(struct zx_comm *comm, int layout, int64_t numel, int64_t offset, int64_t part,
+		   const float *partition, float *out, float divisor, char *msg, int64_t msg_len);
+
+/* A full value into this rank's fragment: partition[part_at[rank] + i] = full[param_at[rank] + i] *
+ * factor (factor 1: copied), for the setters (every rank passes the same full value: no
+ * communication). 0 or -EINVAL. */
+int zx_frag_scatter(int layout, int64_t numel, int64_t offset, int64_t part, int world, int rank,
+		    const float *full, float *partition, float factor);
+
+/* The local forms: dst[i] = src[i] (mode 0), src[i] / factor (1) or src[i] * factor (2). */
+int zx_frag_copy(const float *src, float *dst, int64_t count, int mode, float factor);
+
 #endif /* ZX_COMM_H */

@@ -42,6 +42,7 @@ struct zx_comm_op {
 	struct zx_comm_red *reds;
 	int dtype, redop;
 	double scale;
+	int split; /* an all-reduce run as reduce-scatter + all-gather within each round (comm_shm.c) */
 
 	struct zx_comm_op *next; /* the queue */
 	_Atomic uint32_t done;	 /* a futex word: 0 until the op ran */

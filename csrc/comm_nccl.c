@@ -36,6 +36,7 @@ static int nccl_op(int op, ncclRedOp_t *out)
 	case ZX_SUM: *out = ncclSum; return 0;
 	case ZX_AVG: *out = ncclAvg; return 0;
 	case ZX_MAX: *out = ncclMax; return 0;
+	case ZX_MIN: *out = ncclMin; return 0;
 	default: return -EINVAL;
 	}
 }

@@ -3,9 +3,17 @@
  * The segment (a /dev/shm file, 0600): a header, one seat per rank, then two sets of `world` slots of
  * slot_bytes. An op moves its streams (comm_internal.h) in rounds over windows of slot_bytes: each
  * rank copies its window into its slot of set (round & 1), arrives, waits for every rank to arrive,
- * then copies or reduces out of the slots. A rank writes set (round & 1) again only in round + 2,
- * after everyone arrived at round + 1, i.e. after everyone finished reading round: one barrier per
- * round is enough.
+ * then copies or reduces out of the slots (its own bytes it copies from its input before arriving:
+ * they wait for no one). A rank writes set (round & 1) again only in round + 2, after everyone
+ * arrived at round + 1, i.e. after everyone finished reading round: one barrier per round is enough.
+ *
+ * An all-reduce of at least one slot runs split (reduce-scatter + all-gather inside each round, two
+ * barriers): every rank copies into its slot the shares of the window the others reduce, arrives,
+ * reduces its own share (its own input read in place, the others' from their slots, in rank order:
+ * the same bits as the whole reduction) into its own slot, arrives again, and copies every share out.
+ * Each rank reduces 1/N of the window instead of all of it, and writes (N-1)/N of it. The set rule
+ * above holds per data round: a set is written again only after everyone passed the next data
+ * round's barriers, which follow their reads.
  *
  * Arrival is a per-seat counter; waiting spins briefly, then sleeps on a futex in the segment, and
  * every few milliseconds looks at the missing ranks: a seat marked left (destroyed, exited, or failed
@@ -14,12 +22,14 @@
  * ends the wait at once; otherwise the communicator's timeout does, naming the ranks that did not
  * arrive.
  *
+ * The rounds themselves are comm_shm_rounds.c's.
+ *
  * Names: rank 0 creates the file, the others attach by name, and rank 0 removes the name once all
  * have attached (zx_shm_unlink), so a run killed later leaves nothing behind. A run killed between
  * creation and that point leaves a file no one holds a lock on: zx_shm_unique_id reaps those.
  */
 #define _GNU_SOURCE
-#include "comm_internal.h"
+#include "comm_shm.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -38,54 +48,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "dtype.h"
 #include "thread_pool.h"
-
-#define SHM_MAGIC 0x31306d6d6f63787aull /* "zxcomm01" */
-#define SHM_PREFIX "zx-comm-"
-#define SHM_REASON_BYTES 200
-#define SHM_STALE_S 60		   /* an unlocked segment this old is a dead run's */
-#define SHM_CHECK_NS 5000000	   /* the missing ranks are looked at every 5 ms of waiting */
-#define SHM_PIECE (1 << 20)	   /* bytes of work one pool thread takes at a time */
-#define SHM_POOL_MIN (4 << 20)	   /* a round moving less than this stays on one thread */
-#define SHM_DEFAULT_SLOT (4 << 20) /* bytes, capped so both sets stay within 64 MiB */
-#define SHM_SOLO_SLOT (64 << 10)   /* one rank only copies: small slots suffice */
-
-enum { SEAT_EMPTY = 0, SEAT_IN = 1, SEAT_LEFT = 2, SEAT_FAILED = 3 };
-
-struct shm_seat {
-	_Atomic uint64_t arrived; /* the last round this rank arrived at */
-	_Atomic uint32_t state;
-	int32_t pid;
-	char reason[SHM_REASON_BYTES]; /* why it left, written before state */
-} __attribute__((aligned(256)));
-
-struct shm_header {
-	_Atomic uint64_t magic; /* set last by the creator */
-	int32_t world, version;
-	int64_t slot_bytes, data_offset, total_bytes;
-	_Atomic uint32_t wake;	   /* the futex word: bumped by every arrival */
-	_Atomic uint32_t sleepers; /* ranks inside a futex wait */
-	struct shm_seat seats[] __attribute__((aligned(256)));
-};
-
-struct shm_job { /* copy bytes src -> dst, or (reduce) reduce every slot at slot_off -> dst */
-	char *dst;
-	const char *src;
-	int64_t slot_off, bytes;
-	int reduce;
-};
-
-struct zx_shm {
-	int fd;
-	char name[ZX_COMM_ID_BYTES];
-	struct shm_header *h;
-	char *data;
-	int64_t slot;
-	uint64_t round;
-	struct shm_job *jobs; /* the progress thread's, reused from round to round */
-	int njobs, cap;
-};
 
 /* ---------------------------------------------------------------------------------------------------
  * Small helpers */
@@ -95,16 +58,6 @@ static double now_s(void)
 	struct timespec ts;
 	clock_gettime(CLOCK_MONOTONIC, &ts);
 	return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static struct shm_seat *seat(const struct zx_shm *s, int r)
-{
-	return &s->h->seats[r];
-}
-
-static char *slot(const struct zx_shm *s, uint64_t round, int r)
-{
-	return s->data + ((int64_t)(round & 1) * s->h->world + r) * s->slot;
 }
 
 /* The lock on byte r of the file: held by rank r for as long as its process lives. */
@@ -119,7 +72,7 @@ static int lock_seat(int fd, int r, int cmd, short type)
 /* 1 when rank r attached and its process is gone. */
 static int seat_dead(const struct zx_shm *s, int r)
 {
-	const struct shm_seat *st = seat(s, r);
+	const struct shm_seat *st = shm_seat_of(s, r);
 	if (atomic_load(&st->state) != SEAT_IN)
 		return 0;
 	if (lock_seat(s->fd, r, F_OFD_GETLK, F_WRLCK) == 0)
@@ -289,7 +242,10 @@ int zx_shm_open(struct zx_comm *comm, const char *id, int64_t slot_bytes, char *
 	}
 	s->slot = s->h->slot_bytes;
 	s->data = (char *)s->h + s->h->data_offset;
-	struct shm_seat *me = seat(s, comm->rank);
+	s->threads = zx_pool_threads() / comm->world; /* the ranks share this host's CPUs */
+	if (s->threads < 1)
+		s->threads = 1;
+	struct shm_seat *me = shm_seat_of(s, comm->rank);
 	me->pid = (int32_t)getpid();
 	atomic_store(&me->state, SEAT_IN);
 	comm->shm = s;
@@ -314,7 +270,7 @@ static void wake_all(struct shm_header *h)
 
 void zx_shm_leave(struct zx_comm *comm, int failed, const char *reason)
 {
-	struct shm_seat *me = seat(comm->shm, comm->rank);
+	struct shm_seat *me = shm_seat_of(comm->shm, comm->rank);
 	if (atomic_load(&me->state) != SEAT_IN)
 		return;
 	snprintf(me->reason, sizeof(me->reason), "%s", reason);
@@ -346,7 +302,7 @@ int64_t zx_shm_bytes(const struct zx_comm *comm)
 static int missing(const struct zx_shm *s, uint64_t round, int from)
 {
 	for (int r = from; r < s->h->world; r++)
-		if (atomic_load_explicit(&seat(s, r)->arrived, memory_order_acquire) < round)
+		if (atomic_load_explicit(&shm_seat_of(s, r)->arrived, memory_order_acquire) < round)
 			return r;
 	return -1;
 }
@@ -364,7 +320,7 @@ static int check_missing(struct zx_comm *comm, struct zx_comm_op *op, uint64_t r
 	struct zx_shm *s = comm->shm;
 	int first = missing(s, round, 0);
 	for (int r = first; r >= 0; r = missing(s, round, r + 1)) {
-		const struct shm_seat *st = seat(s, r);
+		const struct shm_seat *st = shm_seat_of(s, r);
 		uint32_t state = atomic_load(&st->state);
 		if (state == SEAT_LEFT || state == SEAT_FAILED) {
 			snprintf(op->error, sizeof(op->error), "%s #%lld: rank %d left before arriving (%s)",
@@ -391,11 +347,11 @@ static int check_missing(struct zx_comm *comm, struct zx_comm_op *op, uint64_t r
 	return -ETIMEDOUT;
 }
 
-static int arrive_and_wait(struct zx_comm *comm, struct zx_comm_op *op, uint64_t round)
+int zx_shm_arrive(struct zx_comm *comm, struct zx_comm_op *op, uint64_t round)
 {
 	struct zx_shm *s = comm->shm;
 	struct shm_header *h = s->h;
-	atomic_store(&seat(s, comm->rank)->arrived, round);
+	atomic_store(&shm_seat_of(s, comm->rank)->arrived, round);
 	wake_all(h);
 	/* spin a little (the others are usually close), yield a little (they may share our core) */
 	for (int i = 0; i < 256; i++) {
@@ -420,151 +376,4 @@ static int arrive_and_wait(struct zx_comm *comm, struct zx_comm_op *op, uint64_t
 		if (rc < 0)
 			return rc;
 	}
-}
-
-/* ---------------------------------------------------------------------------------------------------
- * Rounds */
-
-struct run_ctx {
-	struct zx_comm *comm;
-	struct zx_comm_op *op;
-	uint64_t round;
-	_Atomic int next;
-	_Atomic int status;
-};
-
-static int add_job(struct zx_shm *s, char *dst, const char *src, int64_t slot_off, int64_t bytes, int reduce)
-{
-	for (int64_t at = 0; at < bytes; at += SHM_PIECE) { /* pieces for the pool (element multiples) */
-		if (s->njobs == s->cap) {
-			int cap = s->cap ? 2 * s->cap : 64;
-			struct shm_job *jobs = realloc(s->jobs, (size_t)cap * sizeof(*jobs));
-			if (!jobs)
-				return -ENOMEM;
-			s->jobs = jobs;
-			s->cap = cap;
-		}
-		int64_t n = bytes - at < SHM_PIECE ? bytes - at : SHM_PIECE;
-		s->jobs[s->njobs++] = (struct shm_job){ dst + at, src ? src + at : NULL, slot_off + at, n, reduce };
-	}
-	return 0;
-}
-
-static int do_job(const struct run_ctx *ctx, const struct shm_job *j)
-{
-	if (!j->reduce) {
-		memcpy(j->dst, j->src, (size_t)j->bytes);
-		return 0;
-	}
-	const struct zx_shm *s = ctx->comm->shm;
-	const struct zx_comm_op *op = ctx->op;
-	const void *srcs[ZX_COMM_MAX_WORLD];
-	for (int r = 0; r < s->h->world; r++)
-		srcs[r] = slot(s, ctx->round, r) + j->slot_off;
-	return zx_comm_reduce_kernel(op->dtype, op->redop, op->scale, srcs, s->h->world, j->dst,
-				     j->bytes / zx_dtype_size(op->dtype), -1);
-}
-
-static void pool_fn(void *arg, int tid, int nthreads)
-{
-	struct run_ctx *ctx = arg;
-	const struct zx_shm *s = ctx->comm->shm;
-	for (int i; (i = atomic_fetch_add(&ctx->next, 1)) < s->njobs;) {
-		int rc = do_job(ctx, &s->jobs[i]);
-		if (rc < 0)
-			atomic_store(&ctx->status, rc);
-	}
-}
-
-static int run_jobs(struct run_ctx *ctx, int64_t bytes)
-{
-	struct zx_shm *s = ctx->comm->shm;
-	atomic_store(&ctx->next, 0);
-	atomic_store(&ctx->status, 0);
-	int threads = zx_pool_threads();
-	if (bytes >= SHM_POOL_MIN && threads > 1 && s->njobs > 1)
-		zx_pool_run(pool_fn, ctx, threads);
-	else
-		pool_fn(ctx, 0, 1);
-	s->njobs = 0;
-	return atomic_load(&ctx->status);
-}
-
-/* [lo, hi) = [a, a + n) ∩ [w0, w1); 0 when empty. */
-static int overlap(int64_t a, int64_t n, int64_t w0, int64_t w1, int64_t *lo, int64_t *hi)
-{
-	*lo = a > w0 ? a : w0;
-	*hi = a + n < w1 ? a + n : w1;
-	return *lo < *hi;
-}
-
-static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, int64_t w1)
-{
-	struct zx_shm *s = comm->shm;
-	struct run_ctx ctx = { .comm = comm, .op = op, .round = ++s->round };
-	char *mine = slot(s, ctx.round, comm->rank);
-	int64_t lo, hi, at = 0, moved = 0;
-	int rc = 0;
-	for (int i = 0; i < op->nsegs && !rc; at += op->segs[i].len, i++)
-		if (overlap(at, op->segs[i].len, w0, w1, &lo, &hi)) {
-			rc = add_job(s, mine + (lo - w0), op->segs[i].ptr + (lo - at), 0, hi - lo, 0);
-			moved += hi - lo;
-		}
-	if (!rc)
-		rc = run_jobs(&ctx, moved);
-	if (rc < 0) {
-		snprintf(op->error, sizeof(op->error), "%s #%lld: out of memory", op->verb, (long long)op->seq);
-		return rc;
-	}
-	rc = arrive_and_wait(comm, op, ctx.round);
-	if (rc < 0)
-		return rc;
-	moved = 0;
-	int k = 0; /* own reads come in stream order: one cursor over the segments, not a scan per read */
-	int64_t seg_at = 0;
-	for (int i = 0; i < op->nreads && !rc; i++) {
-		const struct zx_comm_read *r = &op->reads[i];
-		if (!overlap(r->off, r->len, w0, w1, &lo, &hi))
-			continue;
-		const char *src = slot(s, ctx.round, r->src) + (lo - w0);
-		char *dst = r->dst + (lo - r->off);
-		if (r->src == comm->rank) { /* own bytes: from the input itself, unless already there */
-			while (k < op->nsegs && seg_at + op->segs[k].len <= lo)
-				seg_at += op->segs[k++].len;
-			if (k < op->nsegs && lo >= seg_at && hi <= seg_at + op->segs[k].len)
-				src = op->segs[k].ptr + (lo - seg_at);
-			if (src == dst)
-				continue;
-		}
-		rc = add_job(s, dst, src, 0, hi - lo, 0);
-		moved += hi - lo;
-	}
-	int size = op->nreds ? zx_dtype_size(op->dtype) : 1;
-	for (int i = 0; i < op->nreds && !rc; i++) {
-		const struct zx_comm_red *r = &op->reds[i];
-		if (overlap(r->off, r->count * size, w0, w1, &lo, &hi)) {
-			rc = add_job(s, r->dst + (lo - r->off), NULL, lo - w0, hi - lo, 1);
-			moved += (hi - lo) * s->h->world;
-		}
-	}
-	if (!rc)
-		rc = run_jobs(&ctx, moved);
-	if (rc < 0)
-		snprintf(op->error, sizeof(op->error), "%s #%lld: %s", op->verb, (long long)op->seq,
-			 rc == -ENOMEM ? "out of memory" : "unsupported dtype or reduction");
-	return rc;
-}
-
-int zx_shm_run(struct zx_comm *comm, struct zx_comm_op *op)
-{
-	int64_t slot = comm->shm->slot;
-	int64_t w0 = 0;
-	do { /* at least one round: a barrier, or an op every rank sends nothing to, still meets */
-		int64_t w1 = op->span - w0 < slot ? op->span : w0 + slot;
-		int rc = one_round(comm, op, w0, w1);
-		if (rc < 0)
-			return rc;
-		w0 = w1;
-	} while (w0 < op->span);
-	return 0;
 }

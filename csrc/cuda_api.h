@@ -27,7 +27,7 @@ ZX_EXPORT const char *zx_cuda_error_string(int status);
 /* ---- NCCL (csrc/comm_nccl.c) ---- */
 
 /* Reduction ops, as zx_nccl_* take them. */
-enum { ZX_SUM = 0, ZX_AVG = 1, ZX_MAX = 2 };
+enum { ZX_SUM = 0, ZX_AVG = 1, ZX_MAX = 2, ZX_MIN = 3 };
 
 /* A fresh unique id (rank 0 makes it and shares it, e.g. through torch.distributed's store). */
 ZX_EXPORT int zx_nccl_unique_id(unsigned char id[ZX_NCCL_ID_BYTES]);

@@ -154,6 +154,9 @@ def main():
 
     if args.checkpoint:
         engine.save_checkpoint(args.checkpoint)  # every rank writes its shard
+    # forward-only passes (the evaluation) keep what the next forward reuses gathered, within
+    # stage3_max_live_parameters (docs/zero3-guide.md, "Generation"): give it back before measuring
+    engine.empty_partition_cache()
     rows = [None] * world if rank == 0 else None
     dist.gather_object(engine.memory_breakdown(), rows, dst=0)
     text = sample(gpt, corpus, args)

@@ -51,7 +51,7 @@ def _failed_resave_keeps_the_old(root):
     _train(engine, 2)
     real = ck.atomic_torch_save
 
-    def failing(obj, path):
+    def failing(obj, path, **kwargs):
         raise OSError(28, "No space left on device (injected)", path)
 
     ck.atomic_torch_save = failing

@@ -375,17 +375,31 @@ def test_file_size_limit_is_efbig(backend, tmp_path):
     assert err == errno.EFBIG and "RLIMIT_FSIZE" in msg and str(tmp_path / "lim") in msg, msg
 
 
-def test_nvme_path_check_names_missing_and_wrong_paths(tmp_path):
-    with pytest.raises(AioError, match="does not exist") as info:
-        check_nvme_path(tmp_path / "nope")
-    assert info.value.errno == errno.ENOENT and info.value.filename == str(tmp_path / "nope")
+def test_nvme_path_check_makes_a_missing_path_and_names_wrong_ones(tmp_path):
+    made = tmp_path / "new" / "swap"  # made, as DeepSpeed does, private
+    assert check_nvme_path(made)["free_bytes"] > 0
+    assert made.is_dir() and os.stat(made).st_mode & 0o777 == 0o700 and os.listdir(made) == []
     (tmp_path / "file").write_text("x")
+    with pytest.raises(AioError, match="does not exist and cannot be created .*Not a directory") as info:
+        check_nvme_path(tmp_path / "file" / "swap")  # under a file: cannot be made
+    assert info.value.errno == errno.ENOTDIR and info.value.filename == str(tmp_path / "file" / "swap")
     with pytest.raises(AioError, match="not a directory"):
         check_nvme_path(tmp_path / "file")
     with pytest.raises(ValueError, match="nvme_path is not set"):
         check_nvme_path(None)
     info = check_nvme_path(tmp_path)
-    assert info["direct"] is True and info["free_bytes"] > 0 and os.listdir(tmp_path) == ["file"]
+    assert info["direct"] is True and info["free_bytes"] > 0 and sorted(os.listdir(tmp_path)) == ["file", "new"]
+
+
+def test_nvme_path_check_refuses_a_read_only_file_system(tmp_path, mounts):
+    target = mount(tmp_path, "tmpfs", "size=1m,ro")
+    mounts.append(target)
+    with pytest.raises(AioError, match="is not writable") as info:
+        check_nvme_path(target)
+    assert info.value.errno == errno.EROFS and str(target) in str(info.value)
+    with pytest.raises(AioError, match="cannot be created") as info:
+        check_nvme_path(target / "swap")
+    assert info.value.errno == errno.EROFS
 
 
 def _check_as_nobody(path):

@@ -153,9 +153,12 @@ def _initialize(nvme_path):
     zero_ext.initialize(model=model, config=cfg, model_parameters=model.parameters())
 
 
-def test_missing_nvme_path_is_refused_at_initialize(tmp_path):
-    with pytest.raises(RankFailed, match="does not exist: create it"):
-        run_ranks(1, _initialize, str(tmp_path / "absent"))
+def test_a_missing_nvme_path_is_made_and_one_that_cannot_be_made_is_refused(tmp_path):
+    run_ranks(1, _initialize, str(tmp_path / "absent" / "swap"))
+    assert os.stat(tmp_path / "absent" / "swap").st_mode & 0o777 == 0o700
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RankFailed, match="does not exist and cannot be created"):
+        run_ranks(1, _initialize, str(tmp_path / "file" / "swap"))
 
 
 def test_a_drive_too_small_is_refused_at_initialize_with_the_bytes(tmp_path, mounts):

@@ -85,8 +85,8 @@ def _gathered_diverge():
 
 def test_gathered_parameters_divergence_is_reported():
     for message in run_ranks(2, _gathered_diverge, timeout=60):
-        assert "rank 0: GatheredParameters: 1 parameter(s), 9 elements" in message
-        assert "rank 1: GatheredParameters: 1 parameter(s), 15 elements" in message
+        assert "rank 0: GatheredParameters(modifier_rank=None): 1 parameter(s), 9 elements" in message
+        assert "rank 1: GatheredParameters(modifier_rank=None): 1 parameter(s), 15 elements" in message
 
 
 def _init_diverge():

@@ -44,6 +44,7 @@ from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .zero import ZeroModel, unpartition
+from .zero.ds_surface import ParameterOffload
 from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
 from .zero.secondary import node_groups
@@ -72,6 +73,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world)
+            if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
+                made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
                 _attach_nvme(made.zopt, cfg)
         if made.nvme_pieces is not None:
@@ -82,6 +85,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     except BaseException:
         made.undo(model, was_partitioned)
         raise
+    if made.zopt is not None and isinstance(made.zopt.reducer, BucketReducer):
+        _name_bucket_members(model, made.zopt)
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
@@ -93,6 +98,13 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
                 cfg.zero_optimization.stage, cfg.precision, world, cfg.train_batch_size,
                 cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, world, comm.transport())
     return engine
+
+
+def _name_bucket_members(model: torch.nn.Module, zopt: ZeroOptimizer) -> None:
+    """Stage 2: the reducer's parameter names, for the error of ranks that reduce different buckets."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    zopt.reducer.names = {k: names.get(id(zopt.flat_groups[gi].params[i]), f"#{k}")
+                          for (gi, i), k in zopt.reducer.index.items()}
 
 
 def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:
@@ -179,8 +191,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                     raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
                                      f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
                                      "under zero.Init(config_dict_or_path=<the same config>) so they agree")
-            else:
-                p.data = p.data.to(device=device, dtype=want if p.is_floating_point() else p.dtype)
+            elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
+                p.data = p.data.to(dtype=want)                 # each piece, never the whole model
         for m in model.modules():
             for name, b in list(m.named_buffers(recurse=False)):
                 cast = want if b.is_floating_point() and dtype is not None else b.dtype

@@ -33,6 +33,7 @@ from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
 from .optim.wall_clock import WallClock
+from .optim.step_check import agree_on_step
 from .zero import GatheredParameters
 from .zero.param import zero_param_of
 
@@ -109,6 +110,7 @@ class ZeroEngine(torch.nn.Module):
         self._boundary_override: Optional[bool] = None
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
+        self._failed: Optional[str] = None  # why this engine cannot go on (an NVMe write failed mid-step)
         self._no_sync = False
         self.offload = offload  # ZeRO-Offload placement (offload/plan.py)
         self.training_dataloader = training_dataloader
@@ -213,10 +215,13 @@ class ZeroEngine(torch.nn.Module):
         model is still partitioned, and would fail deep inside torch)."""
         if self.phase is StepPhase.DESTROYED:
             raise EngineUsageError(self._misuse(what, f"engine.{what}"))
+        if self._failed is not None:
+            raise EngineUsageError(f"engine.{what}: this engine cannot continue: {self._failed}")
 
     def _require_optimizer(self, what: str) -> None:
         if self.phase in (StepPhase.DESTROYED, StepPhase.FORWARD_ONLY):
             raise EngineUsageError(self._misuse(what, f"engine.{what}"))  # (the phase says why, whatever the call)
+        self._require_alive(what)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -335,7 +340,17 @@ class ZeroEngine(torch.nn.Module):
             return
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self._step_applied = self.optimizer.step()
+            if self.world_size > 1:  # every rank takes this step, or all raise (optim/step_check.py)
+                agree_on_step(self.global_steps, self.optimizer.pg, self.device)
+            try:
+                self._step_applied = self.optimizer.step()
+            except OSError as exc:  # the NVMe write-back of a group failed: its new state exists nowhere
+                if self.optimizer.nvme is not None or self.nvme_pieces is not None:
+                    self._failed = (f"step {self.global_steps + 1} could not write its state to NVMe ({exc}), so "
+                                    "part of that step's model and optimizer state is lost. Free space under "
+                                    "nvme_path (or fix the drive), then build a new engine and load the last "
+                                    "checkpoint")
+                raise
             self._advance("boundary_step", "engine.step")
             if self._step_applied:
                 if self.lr_scheduler is not None:

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "aio.h"
+#include "checksum.h"
 
 /* ---------------------------------------------------------------------------------------------------
  * NVMe I/O (aio.h) */
@@ -402,7 +403,32 @@ static PyObject *py_aio_uring_probe(PyObject *self, PyObject *unused)
 	return PyLong_FromLong(-rc);
 }
 
+/* ---------------------------------------------------------------------------------------------------
+ * Checkpoint file checksums (checksum.h) */
+
+PyDoc_STRVAR(crc32c_doc,
+	     "crc32c(data, crc=0, table=False) -> int\n\n"
+	     "The CRC-32C of `data` (any contiguous buffer: bytes, memoryview, mmap) continuing from `crc`. "
+	     "`table`: the portable path (tests).");
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+	static char *names[] = { "data", "crc", "table", NULL };
+	Py_buffer view;
+	unsigned int crc = 0;
+	int use_table = 0;
+	if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|Ip:crc32c", names, &view, &crc, &use_table))
+		return NULL;
+	uint32_t out;
+	Py_BEGIN_ALLOW_THREADS
+	out = use_table ? zx_crc32c_table(crc, view.buf, (size_t)view.len) : zx_crc32c(crc, view.buf, (size_t)view.len);
+	Py_END_ALLOW_THREADS
+	PyBuffer_Release(&view);
+	return PyLong_FromUnsignedLong(out);
+}
+
 PyMethodDef zx_aio_methods[] = {
 	{ "aio_uring_probe", py_aio_uring_probe, METH_NOARGS, aio_uring_probe_doc },
+	{ "crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_VARARGS | METH_KEYWORDS, crc32c_doc },
 	{ NULL, NULL, 0, NULL },
 };

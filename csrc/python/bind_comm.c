@@ -43,6 +43,22 @@ static struct zx_comm *comm_live(comm_object *self)
 	return self->comm;
 }
 
+static PyTypeObject *comm_type; /* set at exec, as comm_op_type */
+
+struct zx_comm *zx_comm_of(PyObject *obj)
+{
+	if (!PyObject_TypeCheck(obj, comm_type)) {
+		PyErr_SetString(PyExc_TypeError, "a zero_ext._C.Comm is required");
+		return NULL;
+	}
+	return comm_live((comm_object *)obj);
+}
+
+PyObject *zx_comm_raise(int status, const char *message)
+{
+	return raise_op(status, message);
+}
+
 /* ---------------------------------------------------------------------------------------------------
  * CommOp */
 
@@ -399,6 +415,7 @@ int zx_comm_exec(PyObject *module)
 	PyObject *type = rc < 0 ? NULL : PyType_FromModuleAndSpec(module, &comm_spec, NULL);
 	if (!type)
 		return -1;
+	comm_type = (PyTypeObject *)type;
 	rc = PyModule_AddObjectRef(module, "Comm", type);
 	Py_DECREF(type);
 	return rc;

@@ -88,7 +88,7 @@ PyObject *zx_int64_list(const int64_t *v, int64_t n)
 static int zx_exec(PyObject *module)
 {
 	PyMethodDef *tables[] = { zx_planner_methods, zx_optim_methods, zx_aio_methods, zx_comm_methods,
-				  zx_quant_methods };
+				  zx_quant_methods, zx_frag_methods };
 	for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
 		if (PyModule_AddFunctions(module, tables[i]) < 0)
 			return -1;

@@ -1,13 +1,16 @@
 """The CUDA library (libzx_cuda.so: NCCL collectives, CUDA kernels), loaded on first use only.
 
 It is a plain C library (csrc/cuda_api.h), not a Python extension, loaded with ctypes: `import zero_ext`
-never touches CUDA or NCCL (nothing in the engine calls it yet: the native-collectives
-work will), and one build serves any Python and torch on the GPU machine. ctypes
-releases the GIL around every call.
+never touches CUDA or NCCL; the engine calls it for CUDA tensors only (comm/nccl.py: the collectives;
+``cast_into``: fp32 master -> 16-bit parameters, the all-gather's input, in one kernel). One build
+serves any Python and torch on the GPU machine. ctypes releases the GIL around every call.
+UNVERIFIED on a GPU until benchmarks/gpu_suite.sh ran (the tests marked ``gpu``).
 """
 import ctypes
 import functools
 import os
+
+import torch
 
 from .dtypes import zx_dtype  # noqa: F401  (re-exported for callers passing dtypes)
 
@@ -63,3 +66,27 @@ def check(status: int, what: str) -> None:
     if status != 0:
         text = library().zx_cuda_error_string(status).decode()
         raise CudaLibraryError(f"{what} failed: {text} (status {status})")
+
+
+_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def on_engine_path() -> bool:
+    """Whether the engine calls this library (the NCCL transport of comm/nccl.py, ``cast_into``):
+    ``ZERO_EXT_CUDA_LIB=1``. Off by default until benchmarks/gpu_suite.sh (which sets it) has run on a
+    GPU; without it CUDA tensors take torch.distributed's NCCL and torch's copies, as before."""
+    return os.environ.get("ZERO_EXT_CUDA_LIB", "0").strip() == "1"
+
+
+def cast_into(dst: "torch.Tensor", src: "torch.Tensor") -> bool:
+    """dst = src converted (fp32 / fp16 / bf16, round to nearest even) by kernels/cast.cu on torch's
+    current stream, for contiguous CUDA tensors of one device and one size; False (nothing done) where
+    that does not apply or the library was not built: the caller copies with torch then."""
+    if not (dst.is_cuda and src.is_cuda and dst.device == src.device and dst.dtype in _CASTABLE
+            and src.dtype in _CASTABLE and dst.numel() == src.numel() and dst.is_contiguous()
+            and src.is_contiguous() and on_engine_path() and available()):
+        return False
+    stream = torch.cuda.current_stream(dst.device).cuda_stream
+    check(library().zx_cuda_cast(src.data_ptr(), zx_dtype(src.dtype), dst.data_ptr(), zx_dtype(dst.dtype),
+                                 dst.numel(), stream), "cast")
+    return True

@@ -30,7 +30,7 @@ from .. import comm
 from . import layout as layout_of
 from ..comm import collective_check
 from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
-                    find_tag_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
+                    find_tag_dir, fsync_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
                     staging_dir, verified_load)
 from .serial_load import in_local_turns
 from .zero_to_fp32 import param_values, piece_values
@@ -130,14 +130,15 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     digests = {}
     if stage >= 1 or rank == 0:  # stage 0 replicates: rank 0's copy is the whole state
         name = optim_file(rank, bf16)
-        digests[name] = atomic_torch_save(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name))
+        digests[name] = atomic_torch_save(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name),
+                                          sync_dir=False)  # (rank 0 fsyncs the folder once, below)
     if rank == 0:
         state = _model_state(engine, exclude_frozen_parameters)
         for key, value in (client_state or {}).items():
             if key in STANDARD_KEYS:
                 raise KeyError(f"save_checkpoint: client_state key {key!r} is reserved by the checkpoint format")
             state[key] = value
-        digests[MODEL_FILE] = atomic_torch_save(state, os.path.join(tag_dir, MODEL_FILE))
+        digests[MODEL_FILE] = atomic_torch_save(state, os.path.join(tag_dir, MODEL_FILE), sync_dir=False)
     gathered = [None] * world if rank == 0 else None
     if world > 1:
         comm.gather_object(digests, gathered, dst=0)
@@ -147,10 +148,12 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
         files = {k: v for d in gathered for k, v in d.items()}
         manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world, "zero_stage": stage,
                     "bf16": bf16, "layout": layout_of.describe(engine), "files": files}
-        atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+        atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1).encode(), sync_dir=False)
+        fsync_dir(tag_dir)  # every rank's files (renamed in before the gather above) and the manifest
         publish_dir(tag_dir, final_dir, replaced_dir(save_dir, tag))
         with open(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"), "rb") as f:
-            atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read())
+            atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read(), sync_dir=not save_latest,
+                               if_changed=True)
         if save_latest:
             atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode())
     if world > 1:
@@ -211,13 +214,22 @@ def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     osd = {
         "zero_stage": stage, "loss_scaler": scaler.state_dict(), "dynamic_loss_scale": scaler.dynamic,
         "overflow": opt.overflow, "clip_grad": opt.clip, "base_optimizer_state": opt.optimizer.state_dict(),
-        _partition_key(stage): [g.master.detach().clone() for g in opt.flat_groups],
+        _partition_key(stage): [_alone(g.master) for g in opt.flat_groups],
         "partition_count": engine.world_size if stage >= 1 else 1,
     }
     if stage == 3 and not exclude_frozen:
         osd["frozen_pieces"] = {n: zp.shard.detach().clone() for n, zp in _zero_params(engine.module).items()
                                 if not zp.param.requires_grad}
     return {"optimizer_state_dict": osd, "rng": _rng_state(), "ds_version": f"zero_ext-{_version()}"}
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as torch.save should see it: itself when it spans its whole storage (nothing is copied),
+    else a copy (torch.save writes a view's whole storage)."""
+    t = t.detach()
+    if t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.clone()
 
 
 def _version() -> str:

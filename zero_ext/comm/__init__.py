@@ -6,6 +6,10 @@ Files:
 - collectives.py: the collective facade: every collective zero_ext runs (and deepspeed.comm's names),
   each routed to the native transport or to torch.distributed.
 - native.py: the native shared-memory transport (csrc/comm.h) for CPU tensors of ranks on one host.
+- nccl.py: the NCCL transport (csrc/comm_nccl.c through _native/cuda.py) for CUDA tensors; unverified
+  on a GPU.
+- fragments.py: one parameter's fragments across ranks (csrc/comm_state.c): the gather, scatter and
+  local copies under utils/safe_state.py.
 - outstanding.py: the tensors of torch.distributed collectives still held by its backend threads, kept
   until they let go (``settle`` after a step, ``drain`` at exit): see [Note: the exit race] there.
 - collective_check.py: every rank must call a collective API; one that does not fails with an

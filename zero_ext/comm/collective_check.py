@@ -40,11 +40,13 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
     store.set(f"{key}/{rank}", detail)
     arrived = store.add(key, 1)
     deadline = time.monotonic() + timeout
+    pause = 0.0005  # ranks usually arrive within a millisecond of each other: poll fast, then back off
     while arrived < world:
         if time.monotonic() > deadline:
             raise error(f"{what} is collective, but only {arrived} of {world} ranks called it within {timeout:.0f}s: "
                         f"call it on every rank (not under `if rank == 0:`){hint}")
-        time.sleep(0.01)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
         arrived = store.add(key, 0)
     if detail:
         details = [store.get(f"{key}/{r}").decode() for r in range(world)]

@@ -3,10 +3,12 @@ place that decides how ranks talk. Each has torch.distributed's signature and se
 when ``async_op``), and they are DeepSpeed's ``deepspeed.comm`` names too.
 
 The transport is chosen per call, the same way on every rank: CPU tensors of a group whose ranks share
-this host go through the native shared-memory communicator (native.py, csrc/comm.h); everything else
-(CUDA tensors, ranks on several hosts, ``ZERO_EXT_COMM=torch``, reductions or dtypes the native layer
-lacks) through torch.distributed's backends (gloo, NCCL). Object collectives, point-to-point and
-all_to_all stay torch.distributed's.
+this host go through the native shared-memory communicator (native.py, csrc/comm.h); contiguous CUDA
+tensors of one device through zero_ext's NCCL communicator (nccl.py, csrc/comm_nccl.c; unverified on
+a GPU) where the CUDA library was built; everything else (ranks on several hosts with CPU tensors,
+``ZERO_EXT_COMM=torch``, reductions or dtypes a transport lacks, the verbs the NCCL transport does not
+carry: reduce, scatter and the list forms) through torch.distributed's backends (gloo, NCCL). Object
+collectives, point-to-point and all_to_all stay torch.distributed's.
 """
 import types
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import native as _native
+from . import nccl as _nccl
 from . import traffic
 from .outstanding import tracked, tracked_objects
 
@@ -46,10 +49,20 @@ def _on_cpu(*tensors) -> bool:
 
 
 def _route(group, *tensors):
-    """The native communicator for these tensors on this group, or None for torch.distributed."""
-    if not _on_cpu(*tensors):
+    """The communicator for these tensors on this group: native shared memory (CPU), NCCL (CUDA, one
+    device, contiguous), or None for torch.distributed."""
+    if _on_cpu(*tensors):
+        return _native.for_group(group)
+    devices = {t.device for t in tensors}
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
         return None
-    return _native.for_group(group)
+    nccl = _nccl.for_group(group, next(iter(devices)))
+    return nccl if nccl is not None and nccl.usable(*tensors) else None
+
+
+def _route_cpu(group, *tensors):
+    """For the verbs only the native CPU transport carries (reduce, scatter, the list forms)."""
+    return _native.for_group(group) if _on_cpu(*tensors) else None
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
@@ -61,7 +74,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
-    native = _route(group, tensor)
+    native = _route_cpu(group, tensor)
     if native is not None and native.reducible(tensor.dtype, op):
         return native.reduce(tensor, dst, op, async_op)
     return _torch.reduce(tensor, dst, op=op, group=group, async_op=async_op)
@@ -77,7 +90,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     traffic.count("reduce_scatter", "scatter", group, sum(_nbytes(t) for t in input_list))
-    native = _route(group, output, *input_list)
+    native = _route_cpu(group, output, *input_list)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter(output, input_list, op, async_op)
     return _torch.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
@@ -93,7 +106,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     traffic.count("all_gather", "gather", group, _nbytes(tensor))
-    native = _route(group, tensor, *tensor_list)
+    native = _route_cpu(group, tensor, *tensor_list)
     if native is not None:
         return native.all_gather(tensor_list, tensor, async_op)
     return _torch.all_gather(tensor_list, tensor, group=group, async_op=async_op)
@@ -147,7 +160,7 @@ def broadcast(tensor, src, group=None, async_op=False):
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
-    native = _route(group, tensor, *(scatter_list or ()))
+    native = _route_cpu(group, tensor, *(scatter_list or ()))
     if native is not None:
         return native.scatter(tensor, scatter_list, src, async_op)
     return _torch.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)

@@ -159,10 +159,11 @@ def destroy_process_group(group=None) -> None:
     """torch.distributed's, after the backend has let go of every tensor of zero_ext's collectives
     (outstanding.drain; see [Note: the exit race]) and the native communicators of the groups that go
     are destroyed (all for None)."""
-    from . import native  # native imports this module for default_timeout
+    from . import native, nccl  # native imports this module for default_timeout (nccl imports native)
 
     drain()
     native.destroy_all() if group is None else native.destroy_group(group)
+    nccl.destroy_all() if group is None else nccl.destroy_group(group)
     dist.destroy_process_group(group)
 
 

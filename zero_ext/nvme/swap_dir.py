@@ -37,9 +37,12 @@ def check_nvme_path(path: Optional[PathLike], need_bytes: int = 0) -> dict:
         raise ValueError("nvme_path is not set: offload_param/offload_optimizer.nvme_path must name "
                          "a directory on a local NVMe drive")
     path = os.path.abspath(os.fspath(path))
-    if not os.path.exists(path):
-        raise AioError(errno.ENOENT, f"nvme_path {path} does not exist: create it (on a local NVMe "
-                       "drive) or fix nvme_path in the config", path)
+    if not os.path.exists(path):  # made, as DeepSpeed does; private (0700): swap files hold the model's state
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise AioError(exc.errno, f"nvme_path {path} does not exist and cannot be created ({exc.strerror}): "
+                           "create it (on a local NVMe drive) or fix nvme_path in the config", path) from None
     if not os.path.isdir(path):
         raise AioError(errno.ENOTDIR, f"nvme_path {path} is not a directory", path)
     probe = os.path.join(path, f".zero_ext_probe-{socket.gethostname()}-{os.getpid()}")

@@ -7,6 +7,8 @@ Files:
 - shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
   quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all.
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
+- step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing
+  something else raises, named, on every rank).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.
 - schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
 - muon.py: the Muon optimizer (MuonWithAuxAdam): its param groups, and the orthogonalized update before the step.

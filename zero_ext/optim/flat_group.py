@@ -24,7 +24,7 @@ from typing import List, Optional
 
 import torch
 
-from .._native import planner
+from .._native import cuda, planner
 from ..offload.plan import HostMemory
 
 
@@ -119,8 +119,9 @@ class FlatGroup:
 
     def copy_master_to_params(self) -> None:
         """Writes the updated fp32 partition into the model's dtype (a no-op when they are one tensor)."""
-        if self.master.data_ptr() != self.flat[self.lo:self.hi].data_ptr():
-            self.flat[self.lo:self.hi].copy_(self.master)
+        own = self.flat[self.lo:self.hi]
+        if self.master.data_ptr() != own.data_ptr() and not cuda.cast_into(own, self.master):
+            own.copy_(self.master)  # CPU, or no CUDA library: torch's copy (on CUDA: kernels/cast.cu)
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Sum of squares of this rank's fp32 gradient partition (padding is zero), as an fp64 scalar.

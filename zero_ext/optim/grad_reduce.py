@@ -23,6 +23,7 @@ from .. import comm
 from ..config.errors import EngineUsageError
 from .._native import planner
 from .flat_group import FlatGroup
+from .step_check import agree_on_reduction
 
 
 class Averaging:
@@ -218,6 +219,10 @@ class BucketReducer(StreamingReducer):
             for i in range(len(g.params)):
                 pieces = planner.flat_bucket_pieces(g.numels, world, [i])
                 self.runs[(gi, i)] = [(p.rank, p.param_offset, p.part_offset, p.length) for p in pieces]
+        # each parameter's position in the optimizer (the same on every rank) and, set by build.py, its
+        # name: for the agreement before each bucket (step_check.py)
+        self.index = {key: k for k, key in enumerate(self.runs)}
+        self.names: Dict[int, str] = {}
         self.bucket = _Bucket()
         self.seen = set()
         self.callback_queued = False
@@ -289,6 +294,9 @@ class BucketReducer(StreamingReducer):
         if not members:
             return
         self.bucket = _Bucket()
+        if self.world > 1:  # every rank is about to reduce this same bucket (step_check.py)
+            agree_on_reduction([self.index[m] for m in members], [self.groups[gi].numels[i] for gi, i in members],
+                               self.pg, self.device, namer=lambda k: repr(self.names.get(k, f"#{k}")))
         if self.world == 1:  # nothing to reduce: straight from each gradient into the fp32 partition
             for gi, i in members:
                 grad = self.groups[gi].params[i].grad.reshape(-1)

@@ -24,9 +24,10 @@ from typing import Dict, List, Tuple
 import torch
 
 from .. import comm
-from .._native import planner
+from .._native import cuda, planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
 from .quantized_reduce import reduce_scatter_quantized
+from .step_check import agree_on_reduction
 from .._native.planner import Piece
 
 
@@ -85,8 +86,8 @@ class ShardGroup:
         return Piece(i, self.rank, self.rank * self.shards[i], self.offsets[i], -1, valid)
 
     def copy_master_to_params(self) -> None:
-        if self.master.data_ptr() != self.flat.data_ptr():
-            self.flat.copy_(self.master)
+        if self.master.data_ptr() != self.flat.data_ptr() and not cuda.cast_into(self.flat, self.master):
+            self.flat.copy_(self.master)  # CPU, or no CUDA library: torch's copy (on CUDA: kernels/cast.cu)
 
     def grad_sq_norm(self) -> torch.Tensor:
         return torch.linalg.vector_norm(self.grad).double() ** 2
@@ -114,6 +115,7 @@ class ShardReducer(StreamingReducer):
         self.dtype = averaging.comm_dtype
         self.where: Dict[int, Tuple[int, int]] = {id(zp): (gi, i) for gi, g in enumerate(groups)
                                                   for i, zp in enumerate(g.zparams)}
+        self.index = {key: k for k, key in enumerate(self.where)}  # position in the optimizer: every rank's
         self.bucket: List = []
         self.bucket_numel = 0
         self.pending: List = []
@@ -163,6 +165,10 @@ class ShardReducer(StreamingReducer):
         handle = None
         if self.world > 1:
             self.verify_fetch_order()
+            # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
+            # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
+            agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, buf.device,
+                               first_ds_id=members[0].ds_id)
             if self.avg.pre != 1.0:
                 buf.mul_(self.avg.pre)
             if self.quantized:  # one all-to-all, synchronous; the block comes back as an fp32 sum

@@ -449,13 +449,18 @@ def _aliased(g) -> bool:
 def _lp_target(g) -> Optional[torch.Tensor]:
     """Where the fused step writes the group's new 16-bit values: None for an fp32 model (the master is
     copied, or is the parameters), the parameters' own partition in host memory, else a host staging
-    buffer (pinned with pin_memory), made once."""
+    buffer (pinned with pin_memory), made once and handed out again only after the upload that read it
+    last completed (its event: the host must not overwrite what an asynchronous copy still reads)."""
     if _aliased(g) or g.dtype == torch.float32:
         return None
     if g.flat.is_cpu:
         return g.flat[g.lo:g.hi]
     if getattr(g, "staging", None) is None:
         g.staging = torch.empty(g.hi - g.lo, dtype=g.dtype, pin_memory=bool(g.host and g.host.pin))
+    copied = getattr(g, "staging_copied", None)
+    if copied is not None:  # the last upload (non_blocking, from pinned memory) may still be reading it
+        copied.synchronize()
+        g.staging_copied = None
     return g.staging
 
 
@@ -467,3 +472,6 @@ def _lp_upload(g, target: Optional[torch.Tensor]) -> None:
         g.copy_master_to_params()
     elif target.data_ptr() != g.flat[g.lo:g.hi].data_ptr():
         g.flat[g.lo:g.hi].copy_(target, non_blocking=True)
+        if g.flat.is_cuda and target.is_pinned():  # asynchronous: the next _lp_target waits for this event
+            g.staging_copied = torch.cuda.Event()
+            g.staging_copied.record(torch.cuda.current_stream(g.flat.device))

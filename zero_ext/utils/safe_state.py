@@ -1,11 +1,13 @@
 """safe_get / safe_set: read and change partitioned state one parameter at a time (stages 0-3).
 
-Where a parameter's elements live is the planner's fragment map (csrc/planner.c): in stages 1/2 each
-parameter is one contiguous run of its group's flat buffer, so this rank holds at most one fragment of
-it. Full forms rebuild the whole tensor from every rank's fragment (an all-reduce of a zero buffer
-holding this rank's fragment) and are therefore **collective**: every rank must call them, with the
-same parameter. Local forms touch only this rank's fragment: a 1-D tensor, possibly empty (DeepSpeed
-refuses local forms below stage 3). Stage 0 keeps everything on every rank: full and local forms agree.
+Where a parameter's elements live is its fragment map (comm/fragments.py over csrc/comm_state.c): in
+stages 1/2 each parameter is one contiguous run of its group's flat buffer, so this rank holds at most
+one fragment of it. The elements move in C: full forms rebuild the whole tensor from every rank's
+fragment (an all-gather-v that moves only real bytes) and are therefore **collective**: every rank
+must call them, with the same parameter; full setters copy this rank's run of the value; local forms
+copy this rank's fragment: a 1-D tensor, possibly empty (DeepSpeed refuses local forms below stage 3).
+This file keeps the lifecycle checks, the NVMe materialisation and DeepSpeed's names. Stage 0 keeps
+everything on every rank: full and local forms agree.
 Stage 3: each parameter is cut into pieces of ceil(numel / N); the local forms are this rank's whole
 padded piece (``ds_tensor``'s shape, padding zero), as in DeepSpeed.
 
@@ -24,8 +26,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from .. import comm
 from ..comm.collective_check import check_all_ranks_call, debug_enabled
+from ..comm.fragments import FLAT, SHARDS, Fragments
 from ..engine import engine_of
 from ..zero.param import zero_param_of
 
@@ -64,60 +66,27 @@ def _in_memory(modified: bool):
 
 
 class _Where:
-    """One parameter's place: its engine and ZeRO optimizer, flat group, index, and this rank's fragment."""
+    """One parameter's place: its engine and ZeRO optimizer, flat group, index, and the map of its
+    fragments over the ranks (comm/fragments.py: the data path, in C)."""
 
     def __init__(self, engine, gi: int, i: int):
         self.engine, self.opt = engine, engine.optimizer
         self.gi, self.g, self.i = gi, self.opt.flat_groups[gi], i
-        piece = self.g.piece_of(i)
-        self.param_offset = piece.param_offset if piece else 0
-        self.part_offset = piece.part_offset if piece else 0
-        self.length = piece.length if piece else 0  # real elements of this rank's fragment
-        shards = getattr(self.g, "shards", None)  # stage 3: local forms are the padded piece (ds_tensor)
+        g = self.g
+        shards = getattr(g, "shards", None)  # stage 3: local forms are the padded piece (ds_tensor)
         if shards is not None:
-            self.part_offset = self.g.offsets[i]
-        self.local_length = shards[i] if shards is not None else self.length
+            self.frags = Fragments(SHARDS, g.numels[i], g.offsets[i], shards[i], g.world, g.rank)
+        elif g.partitioned:
+            self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, g.world, g.rank)
+        else:  # stage 0: every rank holds the whole group
+            self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, 1, 0)
+        self.part_offset = self.frags.part_at[self.frags.rank]
+        self.local_length = self.frags.local_length
 
-    @property
-    def numel(self) -> int:
-        return self.g.numels[self.i]
-
-    def local(self, partition: torch.Tensor) -> torch.Tensor:
-        """This rank's fragment of the parameter inside a partition-shaped flat tensor (a view; stage 3:
-        the whole padded piece)."""
-        return partition[self.part_offset:self.part_offset + self.local_length]
-
-    def full(self, partition: torch.Tensor, shape) -> torch.Tensor:
-        """The whole parameter-shaped value: every rank's fragment, gathered in rank order."""
-        mine = partition[self.part_offset:self.part_offset + self.length].float()
-        if not (self.g.partitioned and self.g.world > 1):
-            out = torch.zeros(self.numel, dtype=torch.float32, device=partition.device)
-            out[self.param_offset:self.param_offset + self.length] = mine
-            return out.view(shape)
-        out = torch.empty(self.numel, dtype=torch.float32, device=partition.device)
-        comm.all_gather_v(out, mine, self.fragment_lengths())
-        return out.view(shape)
-
-    def fragment_lengths(self):
-        """Each rank's real elements of this parameter: fragments tile it in rank order (stage 3: shards
-        of ceil(numel / N); stages 1-2: the parameter's overlap with each rank's flat partition)."""
-        n, world = self.numel, self.g.world
-        shards = getattr(self.g, "shards", None)
-        if shards is not None:
-            s = shards[self.i]
-            return [max(0, min(s, n - r * s)) for r in range(world)]
-        lo, part = self.g.offsets[self.i], self.g.part
-        return [max(0, min(lo + n, (r + 1) * part) - max(lo, r * part)) for r in range(world)]
-
-    def real(self, partition: torch.Tensor) -> torch.Tensor:
-        """The real (unpadded) elements of this rank's fragment inside a partition-shaped tensor."""
-        return partition[self.part_offset:self.part_offset + self.length]
-
-    def fragment_of(self, full_value: torch.Tensor) -> torch.Tensor:
-        flat = full_value.reshape(-1)
-        if flat.numel() != self.numel:
-            raise ValueError(f"the value has {flat.numel()} elements, the parameter {self.numel}")
-        return flat[self.param_offset:self.param_offset + self.length]
+    def full(self, partition: torch.Tensor, shape, divisor: float = 1.0) -> torch.Tensor:
+        """The whole parameter-shaped value: every rank's fragment, gathered in rank order (collective
+        when the state is partitioned), divided by ``divisor``."""
+        return self.frags.gather(partition, divisor).view(shape)
 
 
 def _shape(param) -> torch.Size:
@@ -175,7 +144,7 @@ def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     w = _where(param)
     if w is None:
         return None
-    return w.full(_grads(w, "safe_get_full_grad"), _shape(param)) / w.opt.cur_scale
+    return w.full(_grads(w, "safe_get_full_grad"), _shape(param), w.opt.cur_scale)
 
 
 @_collective
@@ -190,20 +159,20 @@ def safe_get_full_optimizer_state(param, optim_state_key: str) -> Optional[torch
 def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
     """This rank's fragment of param's fp32 master weights (1-D, possibly empty)."""
     w = _where(param)
-    return None if w is None else w.local(w.g.master.detach()).clone()
+    return None if w is None else w.frags.read_local(w.g.master.detach())
 
 
 def safe_get_local_grad(param) -> Optional[torch.Tensor]:
     """This rank's fragment of param's averaged fp32 gradient (1-D, unscaled)."""
     w = _where(param)
-    return None if w is None else w.local(_grads(w, "safe_get_local_grad")) / w.opt.cur_scale
+    return None if w is None else w.frags.read_local(_grads(w, "safe_get_local_grad"), w.opt.cur_scale)
 
 
 @_in_memory(modified=False)
 def safe_get_local_optimizer_state(param, optim_state_key: str) -> Optional[torch.Tensor]:
     """This rank's fragment of param's optimizer state ``optim_state_key`` (1-D)."""
     w = _where(param)
-    return None if w is None else w.local(_state(w, optim_state_key, "safe_get_local_optimizer_state")).clone()
+    return None if w is None else w.frags.read_local(_state(w, optim_state_key, "safe_get_local_optimizer_state"))
 
 
 # -- write ------------------------------------------------------------------------------------------------
@@ -217,9 +186,9 @@ def safe_set_full_fp32_param(param, value: torch.Tensor) -> None:
         return
     value = _value(value, w)
     with torch.no_grad():
-        w.real(w.g.master).copy_(w.fragment_of(value))
+        w.frags.scatter(value, w.g.master)
         if hasattr(w.g, "shards"):  # stage 3: the model's copy is the piece (and the full value if gathered)
-            w.real(w.g.flat).copy_(w.fragment_of(value))
+            w.frags.scatter(value, w.g.flat)
             zp = zero_param_of(param)
             if zp is not None and zp.status.name == "AVAILABLE":
                 zp.full.copy_(value.view(zp.shape))
@@ -236,7 +205,7 @@ def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
         return
     value = _local_value(value, w, "safe_set_local_fp32_param")
     with torch.no_grad():
-        w.local(w.g.master).copy_(value)
+        w.frags.write_local(value, w.g.master)
         lo = w.g.lo + w.part_offset
         w.g.flat[lo:lo + w.local_length].copy_(value)
 
@@ -247,7 +216,7 @@ def safe_set_full_grad(param, value: torch.Tensor) -> None:
     if w is None:
         return
     grads = _grads(w, "safe_set_full_grad")
-    w.real(grads).copy_(w.fragment_of(_value(value, w)) * w.opt.cur_scale)
+    w.frags.scatter(_value(value, w), grads, w.opt.cur_scale)
 
 
 def safe_set_local_grad(param, value: torch.Tensor) -> None:
@@ -257,7 +226,7 @@ def safe_set_local_grad(param, value: torch.Tensor) -> None:
         return
     grads = _grads(w, "safe_set_local_grad")
     value = _local_value(value, w, "safe_set_local_grad")
-    w.local(grads).copy_(value * w.opt.cur_scale)
+    w.frags.write_local(value, grads, w.opt.cur_scale)
 
 
 @_in_memory(modified=True)
@@ -267,7 +236,7 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     if w is None:
         return
     state = _state(w, optim_state_key, "safe_set_full_optimizer_state")
-    w.real(state).copy_(w.fragment_of(_value(value, w)))
+    w.frags.scatter(_value(value, w), state)
 
 
 @_in_memory(modified=True)
@@ -278,7 +247,7 @@ def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: 
         return
     state = _state(w, optim_state_key, "safe_set_local_optimizer_state")
     value = _local_value(value, w, "safe_set_local_optimizer_state")
-    w.local(state).copy_(value)
+    w.frags.write_local(value, state)
 
 
 def safe_update_full_grad_vectorized(param_list: Iterable, update_func: Callable) -> None:

@@ -21,7 +21,9 @@ Files, one noun each (docs/zero3.md has the design):
 - hooks.py: the per-module forward/backward hooks.
 - coordinator.py: prefetch along the recorded fetch order; trace.py: that order (FetchEvent, Trace);
   meter.py: GatherMeter, the elements gathered now and at most.
-- external.py: external parameters; gathered.py: GatheredParameters; leaf.py: leaf modules;
+- external.py: external parameters; gathered.py: GatheredParameters; generation.py: ``generation``, the
+  whole model gathered for generation after a memory check; ds_surface.py: DeepSpeed's hook surface
+  (``parameter_offload``, ``ds_external_parameters``) that TRL uses; leaf.py: leaf modules;
   tiling.py: TiledLinear; unpartition.py: ``unpartition``.
 - tree.py: tensors inside a module's inputs and outputs; internal.py: zero_ext's own tensor work,
   hidden from its TorchFunctionModes.
@@ -31,6 +33,7 @@ from .convert import partition_module
 from .external import register_external_parameter, unregister_external_parameter
 from .fetch import FetchOrderError
 from .gathered import GatheredParameters
+from .generation import GenerationMemoryError, generation
 from .guard import PartitionedWriteError
 from .init import Init
 from .model import ZeroModel
@@ -45,5 +48,6 @@ __all__ = [
     "Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
     "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError",
+    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError", "generation",
+    "GenerationMemoryError",
 ]

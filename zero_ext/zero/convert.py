@@ -45,14 +45,17 @@ def shard_device(remote_device, compute: torch.device) -> torch.device:
 
 
 def partition_params(params: Iterable[torch.nn.Parameter], group=None, remote_device=None,
-                     pin_memory: bool = False, src_group_rank: int = 0) -> List[ZeroParam]:
+                     pin_memory: bool = False, src_group_rank: int = 0,
+                     compute: Optional[torch.device] = None) -> List[ZeroParam]:
     """Partition each parameter that is not one already, in order: its value on ``src_group_rank`` is
-    cut into pieces and each rank keeps its own (padding zeroed); ``param.data`` becomes empty."""
+    cut into pieces and each rank keeps its own (padding zeroed); ``param.data`` becomes empty.
+    ``compute``: the device the parameters compute on (default: where each is); a parameter held
+    elsewhere (a model built in host memory) is cut where it is and only its piece moves."""
     with internal.section():
-        return _partition_params(params, group, remote_device, pin_memory, src_group_rank)
+        return _partition_params(params, group, remote_device, pin_memory, src_group_rank, compute)
 
 
-def _partition_params(params, group, remote_device, pin_memory, src_group_rank) -> List[ZeroParam]:
+def _partition_params(params, group, remote_device, pin_memory, src_group_rank, compute=None) -> List[ZeroParam]:
     rank, world = collectives.rank_and_world(group)
     params = list({id(p): p for p in params if not is_zero_param(p)}.values())  # a parameter may come twice
     if not params:
@@ -61,29 +64,27 @@ def _partition_params(params, group, remote_device, pin_memory, src_group_rank) 
         check_agreement(FetchSite(FetchKind.PARTITION), [p.shape for p in params], peek_ds_id(), group,
                         collectives.check_device(group, params[0].device))
     converted = []
-    for p in params:
-        compute = p.device
-        piece = torch.empty(planner.shard_numel(p.numel(), world), dtype=p.dtype, device=compute)
+    for p in params:  # one at a time: the whole value never goes to the compute device
+        home = p.device
+        piece = torch.empty(planner.shard_numel(p.numel(), world), dtype=p.dtype, device=home)
         with torch.no_grad():
             collectives.scatter_pieces(p.data, piece, src_group_rank, group)
-        target = shard_device(remote_device, compute)
-        if target != compute:
+        target = shard_device(remote_device, compute or home)
+        if target != home:
             piece = piece.to(target)
         if pin_memory and target.type == "cpu" and torch.cuda.is_available():
             piece = piece.pin_memory()
-        converted.append(ZeroParam(p, next_ds_id(), group, rank, world, piece, compute))
+        converted.append(ZeroParam(p, next_ds_id(), group, rank, world, piece, compute or home))
     return converted
 
 
 def partition_module(module: torch.nn.Module, group=None, remote_device=None, pin_memory: bool = False,
                      device: Optional[torch.device] = None) -> List[ZeroParam]:
-    """Partition every parameter of an already built model (rank 0's values win) and move its
-    parameters and buffers to the compute device first."""
+    """Partition every parameter of an already built model (rank 0's values win), parameter by
+    parameter from where it is (host memory: only each piece moves to the compute device, so the whole
+    model never lands there), and move its buffers to the compute device."""
     device = device or local_device()
     if device.type != "cpu":
-        for p in module.parameters():
-            if not is_zero_param(p) and p.device != device:
-                p.data = p.data.to(device)
         for m in module.modules():
             for name, b in list(m.named_buffers(recurse=False)):
                 if b.device != device:
@@ -91,7 +92,8 @@ def partition_module(module: torch.nn.Module, group=None, remote_device=None, pi
     names = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    converted = partition_params([p for p in module.parameters()], group, remote_device, pin_memory)
+    converted = partition_params([p for p in module.parameters()], group, remote_device, pin_memory,
+                                 compute=device)
     for zp in converted:
         zp.rename(names[id(zp.param)])  # (ZeroModel renames too, from its root)
     return converted

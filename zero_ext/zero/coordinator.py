@@ -23,8 +23,13 @@ trace is COMPLETE (status.TraceState), else it is recorded again. Along a comple
   ``max_live_parameters``; such kept parameters are the first given up when an on-demand gather
   would pass the limit. A module whose own parameters exceed the limit is still gathered: the live
   set is at most max(max_live_parameters, what the running module calls hold);
-- nothing stays gathered across steps: the end of backward releases what the coordinator holds (the
-  optimizer step changes the pieces next), and so does the start of every step.
+- nothing stays gathered from a backward into the next step: the end of backward releases what the
+  coordinator holds (the optimizer step changes the pieces next). A step that is a forward without
+  autograd (evaluation, a decoding step of generation) over a trace of forward fetches only is repeated
+  as it is by the next step, so there a parameter's last use reaches into the next repetition
+  (Trace.wrap_use) and is kept under the same two limits: decoding with a model within
+  ``max_live_parameters`` gathers it once. Whatever changes the pieces (the optimizer step, a checkpoint
+  load) goes through ``refresh_persistent``, which drains the kept parameters with the persistent ones.
 A fetch that is not the next event (dynamic control flow: a branch taken, a module skipped, a forward
 without backward) invalidates the trace: what was prefetched is waited for and released, and the rest
 of the step fetches on demand (a debug log says where; ``log_trace_cache_warnings`` makes it a
@@ -49,10 +54,10 @@ was not before: a collective of the user's own between two of ours.
 import logging
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from torch.profiler import record_function
+import torch
 
-from . import collectives
-from .fetch import FetchOrderError, FetchSite, check_agreement, issue, release, wait_gathered
+from . import collectives, internal
+from .fetch import FetchOrderError, FetchSite, check_agreement, issue, raise_disagreement, release, wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
 from .status import FetchKind, TraceState, ZeroParamStatus
@@ -73,8 +78,21 @@ class _Hold:
         return self.why
 
 
+class _PrefetchHold:
+    """The hold of a prefetch for one trace event (described only when someone asks: it is made per
+    event per step)."""
+
+    __slots__ = ("index", "event", "namer")
+
+    def __init__(self, index: int, event, namer):
+        self.index, self.event, self.namer = index, event, namer
+
+    def __repr__(self) -> str:
+        return f"prefetch for fetch {self.index} of the trace ({self.event.describe(self.namer)})"
+
+
 class _Prefetched(NamedTuple):
-    hold: _Hold
+    hold: "_PrefetchHold"
     params: Tuple[ZeroParam, ...]  # all of the event's parameters: gathered for it or found gathered
     issued: int  # elements this prefetch gathered
 
@@ -127,12 +145,14 @@ class PrefetchCoordinator:
         self._pending = 0  # elements prefetched for events not consumed yet
         self._retained: Dict[ZeroParam, int] = {}  # kept for reuse -> the event that uses it next
         self._retain_hold = _Hold("kept gathered for reuse (stage3_max_reuse_distance)")
+        self._carry = False  # the step that ended repeats its trace next: what is kept for it stays
 
     # -- step boundaries ---------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """The root's forward begins: settle the last step's trace and start following (or recording)."""
-        self.drain()
+        self.drain(keep_retained=self._carry)
+        self._carry = False
         if self.state is TraceState.RECORD and self._recording:
             self._finish_recording()
         elif self.state is TraceState.COMPLETE and self._pos != len(self.trace):
@@ -147,10 +167,14 @@ class PrefetchCoordinator:
             self.stats.traced_steps += 1
             self._prefetch_ahead()  # the first modules' gathers too: their agreement is the batch's
 
-    def end_step(self) -> None:
-        """End of backward (or of a forward without autograd): check, then release what is held ahead."""
+    def end_step(self, repeat: bool = False) -> None:
+        """End of backward (or, ``repeat``, of a forward without autograd): check, then release what is
+        held ahead -- except, after a forward-only step that followed its trace to the end, what is kept for
+        the trace's next repetition (see [Note: ZeRO-3 prefetch trace])."""
         self.checkpoint()
-        self.drain()
+        self._carry = (repeat and self.state is TraceState.COMPLETE and not self._diverged
+                       and self.trace.forward_only and self._pos == len(self.trace))
+        self.drain(keep_retained=self._carry)
 
     def _finish_recording(self) -> None:
         trace = Trace(self._recording)
@@ -165,6 +189,8 @@ class PrefetchCoordinator:
         # small all-gather per recording); if they differ, keep fetching on demand (each fetch checked)
         row = [FetchKind.TRACE.value, -1, len(trace), trace.numel, collectives.digest(trace.fingerprint()), 0]
         rows = collectives.agree(row, self._group, self._device)
+        if any(r[0] != FetchKind.TRACE.value for r in rows):  # a rank is elsewhere (e.g. GatheredParameters)
+            raise_disagreement(rows, FetchSite(FetchKind.TRACE, namer=self.namer))
         if any(r[:5] != rows[0][:5] for r in rows):
             self._invalidate("the ranks recorded different fetch orders")
             return
@@ -180,23 +206,22 @@ class PrefetchCoordinator:
         for zp in params:
             zp.hold(call)
         traced = [zp for zp in params if not zp.persist]
-        site = call.state.site(kind)
         if traced:
-            if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params, site):
+            if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params):
                 return
             if self.state is TraceState.RECORD:
                 self._recording.append(make_event(kind, call.state.index, traced))
-        issue(params, site, self.check, self._stamp())
+        issue(params, call.state.site(kind), self.check, self._stamp())
         wait_gathered(params)
 
-    def _follow(self, call, kind: FetchKind, traced, params, site: FetchSite) -> bool:
+    def _follow(self, call, kind: FetchKind, traced, params) -> bool:
         """The fetch along a complete trace; False when it leaves the trace (then fetched on demand)."""
         i, index = self._pos, call.state.index
         ev = self.trace.events[i] if i < len(self.trace) else None
         if ev is None or not ev.matches(kind, index, traced):
             expected = ev.describe(self.namer) if ev is not None else "end of the trace"
             self._leave(f"fetch {i} is the {kind.name.lower()} of module {self.namer(index)}, the trace has "
-                        f"the {expected}", site, traced)
+                        f"the {expected}", call.state.site(kind), traced)
             return False
         self._pos, self._last_module = i + 1, index
         self._unverified += 1
@@ -206,7 +231,7 @@ class PrefetchCoordinator:
         missing = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
         if missing:
             self._make_room(sum(zp.numel for zp in missing if not zp.persist), traced)
-            issue(missing, site, self.check, self._stamp())
+            issue(missing, call.state.site(kind), self.check, self._stamp())
             if self.check:
                 self._unverified = 0
             self.stats.on_demand += 1
@@ -219,8 +244,11 @@ class PrefetchCoordinator:
     def release(self, call) -> None:
         """``call`` is done with its parameters: keep those the trace reuses soon, release the rest."""
         i, call.trace_index = call.trace_index, -1
-        if i >= 0 and self.state is TraceState.COMPLETE and not self._diverged and self.trace.next_use[i]:
-            self._retain(call, i)
+        if i >= 0 and self.state is TraceState.COMPLETE and not self._diverged:
+            # a forward-only trace without autograd repeats as it is: last uses reach into the next step
+            wrap = self.trace.forward_only and not torch.is_grad_enabled()
+            if self.trace.next_use[i] or (wrap and self.trace.wrap_use[i]):
+                self._retain(call, i, wrap)
         release(call.params, call)
 
     def checkpoint(self) -> None:
@@ -232,14 +260,16 @@ class PrefetchCoordinator:
         self.stats.checkpoints += 1
         self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1, self._stamp())
 
-    def drain(self) -> None:
+    def drain(self, keep_retained: bool = False) -> None:
         """Wait for the prefetches in flight and drop every hold of the coordinator (what no module call
-        holds is partitioned). Local: the gathers waited for were issued on every rank."""
+        holds is partitioned), or all but those kept for reuse. Local: the gathers waited for were issued
+        on every rank."""
         entries, self._prefetched = list(self._prefetched.values()), {}
         for entry in entries:
             release(entry.params, entry.hold)
-        retained, self._retained = list(self._retained), {}
-        release(retained, self._retain_hold)
+        if not keep_retained:
+            retained, self._retained = list(self._retained), {}
+            release(retained, self._retain_hold)
         self._pending = 0
         self._ahead = self._pos
 
@@ -282,14 +312,18 @@ class PrefetchCoordinator:
             return
         self._ahead = j
         needed = [zp for _, need in batch for zp in need]
+        if not needed:
+            return
         if needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
             site = FetchSite(FetchKind.PREFETCH, events[batch[0][0]].module_index, "", self.namer)
             self._agree(site, [zp.shape for zp in needed], needed[0].ds_id, self._stamp() + (batch[0][0], j))
             self._unverified = 0
-        with record_function(f"zero_ext::prefetch (fetches {batch[0][0]}-{j - 1})"):
+        with internal.labelled(f"zero_ext::prefetch (fetches {batch[0][0]}-{j - 1})"):
             for k, need in batch:
                 ev = events[k]
-                hold = _Hold(f"prefetch for fetch {k} of the trace ({ev.describe(self.namer)})")
+                if not need and not any(id(zp) in planned for zp in ev.params):
+                    continue  # gathered before this batch (kept for reuse): no prefetch to hold it for
+                hold = _PrefetchHold(k, ev, self.namer)
                 for zp in ev.params:
                     zp.hold(hold)
                 issued = issue(need, FetchSite(ev.kind, ev.module_index, "", self.namer), check=False)
@@ -298,16 +332,21 @@ class PrefetchCoordinator:
         self.stats.batches += 1
         self.stats.prefetched += len(needed)
 
-    def _retain(self, call, i: int) -> None:
-        reuse = self.trace.next_use[i]
+    def _retain(self, call, i: int, wrap: bool) -> None:
+        reuse, wrapped = self.trace.next_use[i], self.trace.wrap_use[i] if wrap else {}
         leaving = [zp for zp in call.params if not zp.persist and zp.held_only_by(call)
                    and zp.status is not ZeroParamStatus.NOT_AVAILABLE]
-        after = self.meter.live - sum(zp.numel for zp in leaving)  # the gathered total once they are released
+        after = self.meter.live  # the gathered total once those not kept are released
         for zp in leaving:
-            r = reuse.get(id(zp))
+            after -= zp.numel
+        n, hold, retained = len(self.trace), self._retain_hold, self._retained
+        for zp in leaving:
+            r, later = reuse.get(id(zp)), 0
+            if r is None:
+                r, later = wrapped.get(id(zp)), n  # used next in the next repetition
             if r is not None and r.distance <= self.max_reuse and after + zp.numel <= self.max_live:
-                zp.hold(self._retain_hold)
-                self._retained[zp] = r.index
+                zp.hold(hold)
+                retained[zp] = r.index + later
                 after += zp.numel
                 self.stats.retained += 1
 
@@ -342,6 +381,20 @@ class PrefetchCoordinator:
             self.state = TraceState.INVALID
             self.drain()
             raise
+
+    def is_invalid(self) -> bool:
+        return self.state is TraceState.INVALID
+
+    def is_complete(self) -> bool:
+        return self.state is TraceState.COMPLETE
+
+    def is_recording(self) -> bool:
+        return self.state is TraceState.RECORD
+
+    def invalidate(self, reason: str) -> None:
+        """Forget the trace (what it prefetched or kept is released); the next step records again.
+        Local: every rank must do it at the same point (between steps)."""
+        self._invalidate(reason)
 
     def _invalidate(self, reason: str) -> None:
         self.stats.invalidations += 1

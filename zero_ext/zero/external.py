@@ -16,7 +16,12 @@ module (so that later forwards and the backward gather it up front). Property re
 ``p.requires_grad``) are not uses. The mode is pushed by the root's forward pre-hook and popped by its
 always-called post-hook, blind to zero_ext's own work (internal.py), and absent outside the forward: code
 outside the model's forward must gather with GatheredParameters. Its cost is one Python call per
-torch function during forward; ``detect_external_params=False`` turns it off (then register by hand).
+torch function during forward, so it runs only in the steps that record the fetch trace (the first step,
+and the step after the trace changed, coordinator.py): what it registers there is gathered by the module
+hooks in every later step. A use that appears only after the trace was recorded, without any change in
+which modules run (data-dependent code inside one module), is not seen: the op then meets the empty
+partitioned parameter and torch raises its shape error; register such a parameter by hand.
+``detect_external_params=False`` turns the detector off (then register by hand).
 """
 import weakref
 from typing import Callable, Dict, Iterator, List
@@ -28,6 +33,11 @@ from . import internal
 from .param import ZeroParam, zero_param_of
 
 _EXTERNAL: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[int, torch.nn.Parameter]]" = weakref.WeakKeyDictionary()
+_VERSION = [0]  # bumped by every registration and unregistration (the hooks cache what a module gathers)
+
+
+def registry_version() -> int:
+    return _VERSION[0]
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -43,6 +53,7 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     if params is None:
         params = _EXTERNAL[module] = {}
     params[id(parameter)] = parameter
+    _VERSION[0] += 1
 
 
 def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
@@ -56,6 +67,7 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
         raise RuntimeError(f"unregister_external_parameter: parameter (ds_id={name}) is not registered as "
                            f"external to module {type(module).__name__}")
     del params[id(parameter)]
+    _VERSION[0] += 1
 
 
 def external_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:

@@ -27,20 +27,21 @@ numbering drifted (an extra model built on one rank) are not reported as diverge
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch.profiler import record_function
 
 from . import collectives, internal
 from .param import ZeroParam, zero_param_by_ds_id
 from .status import FetchKind, ZeroParamStatus
 
 _AGREEMENTS = [0]  # agreements run by this process
+_KINDS = {k.value for k in FetchKind}
 _COMPARED = 5  # the first five columns of a row must agree; the sixth (a ds_id) only names a parameter
 _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of",
               FetchKind.EXTERNAL: "a parameter used in the forward of", FetchKind.GATHERED: "GatheredParameters",
               FetchKind.PERSIST: "persistent parameters of", FetchKind.PARTITION: "partitioning (zero.Init)",
               FetchKind.PREFETCH: "prefetch (along the recorded trace) starting at",
               FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace",
-              FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters"}
+              FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters",
+              FetchKind.REDUCE: "gradient reduction of", FetchKind.STEP: "engine.step() at the accumulation boundary"}
 
 
 # The fetches of the training passes, which ZeRO++ qwZ sends quantized; the others (GatheredParameters,
@@ -90,7 +91,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
         with internal.section():
             if check:
                 _agree(bucket, site, group, stamp)
-            with record_function(f"zero_ext::all_gather ({site.label})"):
+            with internal.labelled(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
                 if secondary:  # hpZ: within the node, from the copies kept at the forward's release
                     pending = bucket[0].secondary.gather_async(bucket, outputs)
@@ -110,7 +111,7 @@ def wait_gathered(params: Sequence[ZeroParam]) -> None:
     """Wait for those of ``params`` still INFLIGHT; afterwards each is AVAILABLE (or was partitioned)."""
     for zp in params:
         if zp.status is ZeroParamStatus.INFLIGHT:
-            with internal.section(), record_function("zero_ext::wait_gather"):
+            with internal.section(), internal.labelled("zero_ext::wait_gather"):
                 zp.pending_gather.wait()
 
 
@@ -180,10 +181,22 @@ def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: 
     rows = collectives.agree(row, group, device)
     if all(r[:_COMPARED] == rows[0][:_COMPARED] for r in rows):
         return
-    lines = [f"  rank {r}: {_describe(other, site)}" for r, other in enumerate(rows)]
+    raise_disagreement(rows, site)
+
+
+def raise_disagreement(rows: Sequence[Sequence[int]], site: FetchSite) -> None:
+    """FetchOrderError naming what each rank's agreement row says it was about to do."""
+    lines = "\n".join(f"  rank {r}: {_describe(other, site)}" for r, other in enumerate(rows))
+    if any(r[0] in (FetchKind.REDUCE.value, FetchKind.STEP.value) for r in rows):
+        raise FetchOrderError(
+            "zero_ext: the ranks are at different points of the training step (a rank-dependent branch, a "
+            "module or loss term used on some ranks only, or a rank that runs one more step than the "
+            "others?):\n" + lines + "\nEvery rank must run the same modules, produce gradients for the same "
+            "parameters and call engine.step() as often as the others. This engine cannot continue: "
+            "fix the script and start again.")
     raise FetchOrderError(
         "zero_ext ZeRO-3: the ranks are about to gather different parameters (a rank-dependent branch or "
-        "a module that runs on some ranks only?):\n" + "\n".join(lines) + "\n"
+        "a module that runs on some ranks only?):\n" + lines + "\n"
         "Every rank must build, and run, the same modules in the same order under ZeRO-3. Run every branch "
         "on every rank (and select the result), or gather the parameters on all ranks first "
         "(zero_ext.zero.GatheredParameters). This check costs one small all-gather per fetch (per "
@@ -195,12 +208,19 @@ def _describe(row: Sequence[int], site: FetchSite) -> str:
     try:
         what = _KIND_TEXT[FetchKind(kind)]
     except ValueError:
-        what = f"fetch kind {kind}"
-    if module_index >= 0:
-        module = site.namer(module_index) if site.namer is not None else f"#{module_index}"
-        what += f" module {module}"
+        what = f"fetch kind {kind} (not a zero_ext agreement row: this rank was in another collective)"
+    kind = FetchKind(kind) if kind in _KINDS else None
+    if kind is FetchKind.STEP:  # (the module column holds the step's number, see optim/step_check.py)
+        return f"{what} of step {module_index}"
+    if kind is FetchKind.GATHERED:  # (the module column holds modifier_rank, -1 for None)
+        what += f"(modifier_rank={module_index if module_index >= 0 else None})"
+    elif module_index >= 0:
+        named = site.namer is not None and (kind is FetchKind.REDUCE) == (site.kind is FetchKind.REDUCE)
+        module = site.namer(module_index) if named else f"#{module_index}"
+        what += f" {'' if kind is FetchKind.REDUCE else 'module '}{module}"
     if count == 0:  # a checkpoint row: no parameters
         return what
-    zp = zero_param_by_ds_id(first)
-    name = f"first parameter {zp.name!r} (ds_id {first})" if zp is not None else f"from ds_id {first}"
-    return f"{what}: {count} parameter(s), {numel} elements, {name}"
+    zp = zero_param_by_ds_id(first) if first >= 0 else None
+    name = f", first parameter {zp.name!r} (ds_id {first})" if zp is not None else (
+        f", from ds_id {first}" if first >= 0 else "")
+    return f"{what}: {count} parameter(s), {numel} elements{name}"

@@ -6,7 +6,8 @@
     with GatheredParameters(model.parameters()):
         print(model.head.weight.sum())       # read-only: changes are discarded
 
-Collective: every rank of the parameters' groups must enter and leave together.
+Collective: every rank of the parameters' groups must enter and leave together, with the same
+parameters and modifier_rank (checked at entry: FetchOrderError on every rank otherwise).
 """
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -14,7 +15,7 @@ import torch
 
 from . import collectives, internal
 from .external import register_external_parameter
-from .fetch import FetchSite, fetch, release
+from .fetch import FetchSite, check_agreement, fetch, release
 from .param import ZeroParam, zero_param_of
 from .status import FetchKind
 
@@ -50,6 +51,7 @@ class GatheredParameters:
                  fwd_module: Optional[torch.nn.Module] = None, enabled: bool = True):
         self.modifier_rank = modifier_rank
         self.params: List[ZeroParam] = []
+        self._pinned = []  # (GatherMeter, parameters of its model this block holds), while entered
         if not enabled:
             return
         if isinstance(params, torch.Tensor):
@@ -69,15 +71,44 @@ class GatheredParameters:
             if any(isinstance(h, GatheredParameters) for h in zp.holders):
                 raise RuntimeError(f"Nested GatheredParameters contexts cannot overlap parameters: "
                                    f"{zp.name} is already gathered by an enclosing GatheredParameters")
-        fetch(self.params, self, FetchSite(FetchKind.GATHERED))
+        self._agree()
+        fetch(self.params, self, FetchSite(FetchKind.GATHERED), check=False)
         for zp in self.params:
             zp.expect_views()  # the block may keep views of the values (t = p.detach().numpy())
+        self._pin(1)
         return None
+
+    def _agree(self) -> None:
+        """One fetch-order agreement per process group at entry, even when nothing has to be gathered:
+        a rank that enters alone, or with another modifier_rank (whose exit broadcast would meet another
+        collective, or none), fails here on every rank with FetchOrderError naming each rank's block."""
+        groups = {}
+        for zp in self.params:
+            groups.setdefault(zp.group, []).append(zp)
+        modifier = -1 if self.modifier_rank is None else self.modifier_rank
+        for group, zps in groups.items():
+            check_agreement(FetchSite(FetchKind.GATHERED, modifier), [zp.shape for zp in zps], zps[0].ds_id, group,
+                            collectives.check_device(group, zps[0].compute_device))
+
+    def _pin(self, sign: int) -> None:
+        """Tell each model's GatherMeter how many of its parameters this block holds: a block over a whole
+        model turns that model's hooks off (see [Note: whole-model gathered] in model.py)."""
+        if sign > 0:
+            counts = {}
+            for zp in self.params:
+                if zp.meter is not None:
+                    counts[zp.meter] = counts.get(zp.meter, 0) + 1
+            self._pinned = list(counts.items())
+        for meter, count in self._pinned:
+            meter.pin(sign * count)
+        if sign < 0:
+            self._pinned = []
 
     def __exit__(self, exc_type, exc, tb):
         # the broadcast runs even after an exception, so that a rank that failed alone does not leave
         # the others waiting in it
         try:
+            self._pin(-1)
             if self.modifier_rank is not None:
                 adopt_values_of(self.modifier_rank, self.params)
         finally:

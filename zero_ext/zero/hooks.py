@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, List
 import torch
 
 from . import internal
-from .external import external_parameters
+from .external import external_parameters, registry_version
 from .fetch import FetchSite
 from .leaf import z3_leaf_module
 from .param import ZeroParam, zero_param_of
@@ -73,6 +73,11 @@ class ModuleCall:
     def to_idle(self) -> None:
         self._to(TrainingPhase.IDLE, TrainingPhase.FORWARD, TrainingPhase.PRE_BACKWARD)
 
+    @property
+    def module_index(self) -> int:
+        """The module's index in its model (what ``param.ds_active_sub_modules`` lists)."""
+        return self.state.index
+
     def __repr__(self) -> str:
         return f"call of {self.state.name!r} ({self.phase.name})"
 
@@ -102,8 +107,12 @@ class ModuleState:
         self.name = name
         self.is_root = is_root
         self._handles = []
+        # (external registry version, zero_params()); leaf modules are marked before the hooks are installed
+        self._params_cache = (-1, [])
 
     def register(self) -> None:
+        if self._handles:
+            return
         self._handles = [
             self.module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True),
             self.module.register_forward_hook(self._post_forward, with_kwargs=True, always_call=True),
@@ -115,10 +124,17 @@ class ModuleState:
         self._handles = []
 
     def zero_params(self) -> List[ZeroParam]:
-        """The ZeRO-3 parameters this module gathers: its own, then those external to it."""
+        """The ZeRO-3 parameters this module gathers: its own, then those external to it (cached until an
+        external parameter is registered or unregistered anywhere)."""
+        version, params = self._params_cache
+        if version != registry_version():
+            params = self._find_params(z3_leaf_module(self.module))  # a leaf gathers its whole subtree (leaf.py)
+            self._params_cache = (registry_version(), params)
+        return params
+
+    def _find_params(self, leaf: bool) -> List[ZeroParam]:
         found = {}
-        # a leaf module gathers its whole subtree (leaf.py)
-        for p in self.module.parameters(recurse=z3_leaf_module(self.module)):
+        for p in self.module.parameters(recurse=leaf):
             zp = zero_param_of(p)
             if zp is not None:
                 found[id(zp)] = zp
@@ -137,12 +153,15 @@ class ModuleState:
         model = self.model
         if self.is_root:
             model.enter_forward()
+        params = self.zero_params()
+        if not params and not model.detecting:
+            return None  # nothing to gather, and no detector to tell whose forward is running
         with internal.section():
             call = ModuleCall(self)
             model.push(call)
             call.to_forward()
-            call.params = self.zero_params()
-            with torch.profiler.record_function(f"zero_ext::pre_forward ({self.name})"):
+            call.params = list(params)
+            with internal.labelled(f"zero_ext::pre_forward ({self.name})"):
                 model.coordinator.fetch(call, FetchKind.FORWARD)
             if call.params and torch.is_grad_enabled():
                 args, kwargs = self._wrap_inputs(call, args, kwargs)
@@ -168,7 +187,7 @@ class ModuleState:
                         if t.requires_grad and t.grad_fn is not None:
                             t.register_hook(hook)
                 call.to_idle()
-                with torch.profiler.record_function(f"zero_ext::post_forward ({self.name})"):
+                with internal.labelled(f"zero_ext::post_forward ({self.name})"):
                     model.coordinator.release(call)
         if self.is_root:
             model.exit_forward()
@@ -185,7 +204,7 @@ class ModuleState:
             model.queue_end_of_backward()
             call.to_pre_backward()
             model.backward_calls[call] = None
-            with torch.profiler.record_function(f"zero_ext::pre_backward ({self.name})"):
+            with internal.labelled(f"zero_ext::pre_backward ({self.name})"):
                 model.coordinator.fetch(call, FetchKind.BACKWARD)
         return None
 
@@ -197,5 +216,5 @@ class ModuleState:
             self.model.queue_end_of_backward()
             self.model.backward_calls.pop(call, None)
             call.to_idle()
-            with torch.profiler.record_function(f"zero_ext::post_backward ({self.name})"):
+            with internal.labelled(f"zero_ext::post_backward ({self.name})"):
                 self.model.coordinator.release(call)

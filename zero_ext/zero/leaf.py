@@ -103,7 +103,9 @@ def set_z3_leaf_modules_by_suffix(model: torch.nn.Module, module_name_suffixes: 
 
 
 def z3_leaf_module(module: torch.nn.Module) -> bool:
-    return bool(getattr(module, LEAF_ATTR, False))
+    # the instance's dict first: a missed getattr on a Module goes through its slow __getattr__ (per call)
+    flag = module.__dict__.get(LEAF_ATTR)
+    return bool(flag if flag is not None else getattr(type(module), LEAF_ATTR, False))
 
 
 def z3_leaf_parameter(param: torch.nn.Parameter) -> bool:

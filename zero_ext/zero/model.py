@@ -11,6 +11,18 @@ runs the end-of-backward callback. It is what the engine's stage 3 builds on; th
 the engine are ``register_grad_ready_hook`` (a parameter's full gradient is complete: hand it to the
 reducer), ``register_backward_end_hook``, ``release_all`` (DeepSpeed's ``empty_partition_cache``) and
 ``refresh_persistent`` (after the optimizer step changed the pieces).
+
+[Note: whole-model gathered]
+When GatheredParameters blocks hold every parameter of the model (``GatheredParameters(model.parameters())``,
+TRL's ``unwrap_model_for_generation``, ``zero.generation``), there is nothing to fetch or release, and
+nothing to agree on: the module hooks are removed for the block (the GatherMeter tells the model, see
+meter.py), so a forward inside it runs exactly as the plain module would -- no per-op detector, no
+agreement, no Python per module -- and ranks may run different numbers of forwards (generation of
+different lengths). One hook stays on the root: when autograd records, it queues the end-of-backward
+callback, so that a backward inside the block still reaches the engine's reducer. The hooks come back
+when the block ends. Only a block entered outside the model's forward does this (a block inside a
+forward keeps the hooks of the calls already running). ``remove_module_hooks`` / ``register_module_hooks``
+do the same by hand (DeepSpeed's hook surface, ds_surface.py); hooks removed by hand stay removed.
 """
 import logging
 import sys
@@ -23,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import convert, internal
 from .coordinator import PrefetchCoordinator
+from .ds_surface import install_surface, remove_surface
 from .external import ExternalUseDetector, register_external_parameter
 from .fetch import FetchSite, fetch, release
 from .leaf import z3_leaf_module
@@ -32,6 +45,7 @@ from .param import ZeroParam, zero_param_of
 from .quantized_pieces import QuantizedPieces
 from .secondary import SecondaryPartition
 from .status import FetchKind, ZeroParamStatus
+from .tree import tensors_in
 
 logger = logging.getLogger("zero_ext.zero")
 _INSTALLED: "weakref.WeakKeyDictionary[torch.nn.Module, ZeroModel]" = weakref.WeakKeyDictionary()
@@ -109,16 +123,20 @@ class ZeroModel:
         self.backward_calls: Dict[ModuleCall, None] = {}  # ordered set of calls holding for backward
         self._callback_queued = False
         self._detector = ExternalUseDetector(self._on_use) if detect_external_params else None
+        self.detecting = False  # the detector is on (during the forwards of a step that records the trace)
         self._forward_depth = 0
         self._grad_ready_hooks: Dict[int, Callable] = OrderedDict()
         self._backward_end_hooks: Dict[int, Callable] = OrderedDict()
         self._persistent_holder = _Persistent()
         self.persistent = self._mark_persistent(param_persistence_threshold, model_persistence_threshold)
-        for state in self._states.values():
-            if not self._inside_leaf(state.module):  # a leaf's descendants have no hooks of their own
-                state.register()
+        self._hooks_on = True  # the module hooks are wanted (not removed by hand)
+        self._whole = False  # a GatheredParameters block holds every parameter: hooks suspended
+        self._whole_handle = None
+        self.register_module_hooks()
         self._grad_handles = [zp.param.register_post_accumulate_grad_hook(self._make_grad_hook(zp))
                               for zp in self._params if zp.param.requires_grad]
+        self.meter.listener = self._on_pinned
+        install_surface(module)
         _INSTALLED[module] = self
         logger.debug("ZeRO-3 hooks on %d modules; %d parameters (%d elements), %d persistent (%d elements)",
                      len(self._states), len(self._params), sum(zp.numel for zp in self._params),
@@ -195,21 +213,24 @@ class ZeroModel:
             with internal.section():
                 self.coordinator.begin_step()
             self.drop_secondary()  # a forward gathers afresh: pieces may have changed since the last
-            if self._detector is not None:
+            # the detector runs while the trace is recorded only (see [Note: detecting external parameters])
+            if self._detector is not None and self.coordinator.is_recording():
                 self._detector.__enter__()
+                self.detecting = True
         self._forward_depth += 1
 
     def exit_forward(self) -> None:
         self._forward_depth -= 1
         if self._forward_depth == 0:
             self._stack.clear()
-            if self._detector is not None:
+            if self.detecting:
+                self.detecting = False
                 self._detector.__exit__(None, None, None)
             with internal.section():
                 if torch.is_grad_enabled():
                     self.coordinator.checkpoint()  # before any collective of the user's (a logged loss)
                 else:
-                    self.coordinator.end_step()  # no backward follows: nothing is kept for it
+                    self.coordinator.end_step(repeat=True)  # no backward follows; the next forward may repeat it
 
     def _on_use(self, zp: ZeroParam) -> None:
         """The detector saw ``zp`` passed to a torch function during forward."""
@@ -239,6 +260,64 @@ class ZeroModel:
             self.coordinator.end_step()  # checked, and nothing kept gathered into the optimizer step
         for hook in list(self._backward_end_hooks.values()):
             hook()
+
+    # -- whole-model gathered (see [Note: whole-model gathered]) -------------------------------------------
+
+    def _on_pinned(self) -> None:
+        whole = bool(self._params) and self.meter.pinned >= len(self._params)
+        if whole and not self._whole and self._forward_depth == 0:
+            self._whole = True
+            self._unregister_states()
+            self._whole_handle = self.module.register_forward_hook(self._whole_forward_done, always_call=True)
+        elif not whole and self._whole:
+            self._leave_whole()
+            if self._hooks_on:
+                self._register_states()
+
+    def _leave_whole(self) -> None:
+        self._whole = False
+        if self._whole_handle is not None:
+            self._whole_handle.remove()
+            self._whole_handle = None
+
+    def _whole_forward_done(self, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            for t in tensors_in(output):
+                if t.requires_grad and t.grad_fn is not None:
+                    t.register_hook(self._queue_from_grad)
+        return None
+
+    def _queue_from_grad(self, grad) -> None:
+        self.queue_end_of_backward()
+        return None
+
+    @property
+    def hooks_active(self) -> bool:
+        """Whether the module hooks run now (not removed by hand, not suspended by a whole-model block)."""
+        return self._hooks_on and not self._whole
+
+    def register_module_hooks(self) -> None:
+        """Install the module hooks (again, after ``remove_module_hooks``); inside a whole-model block they
+        take over from the block's suspension."""
+        self._hooks_on = True
+        if self._whole:
+            self._leave_whole()
+        self._register_states()
+
+    def remove_module_hooks(self) -> None:
+        """Remove the module hooks until ``register_module_hooks``: forwards then use whatever the
+        parameters hold (gather them first, e.g. GatheredParameters over the model)."""
+        self._hooks_on = False
+        self._unregister_states()
+
+    def _register_states(self) -> None:
+        for state in self._states.values():
+            if not self._inside_leaf(state.module):  # a leaf's descendants have no hooks of their own
+                state.register()
+
+    def _unregister_states(self) -> None:
+        for state in self._states.values():
+            state.destroy()
 
     # -- hook points for the engine ----------------------------------------------------------------------
 
@@ -297,12 +376,15 @@ class ZeroModel:
     def destroy(self) -> None:
         """Remove every hook and partition everything; the parameters stay ZeRO-3 parameters (usable
         with GatheredParameters, or with a new ZeroModel)."""
-        for state in self._states.values():
-            state.destroy()
+        self._unregister_states()
+        self._leave_whole()
+        self.meter.listener = None
+        remove_surface(self.module)
         for handle in self._grad_handles:
             handle.remove()
         self._grad_handles = []
-        if self._forward_depth and self._detector is not None:
+        if self.detecting:
+            self.detecting = False
             self._detector.__exit__(None, None, None)
         self._forward_depth = 0
         self.release_all(include_persistent=True)

@@ -81,6 +81,39 @@ def zero_param_by_ds_id(ds_id: int) -> Optional["ZeroParam"]:
     return _BY_DS_ID.get(ds_id)
 
 
+class ActiveSubModules:
+    """DeepSpeed's ``param.ds_active_sub_modules``: the indices of the module calls holding the parameter
+    gathered -- a live view of its holders (libraries read it, and TRL clears it after removing the hooks:
+    ``clear()`` forgets the module calls' holds and nothing else)."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "ZeroParam"):
+        self._owner = owner
+
+    def _calls(self):
+        return [h for h in self._owner._holders if isinstance(getattr(h, "module_index", None), int)]
+
+    def __iter__(self):
+        return iter([h.module_index for h in self._calls()])
+
+    def __len__(self) -> int:
+        return len(self._calls())
+
+    def __contains__(self, index) -> bool:
+        return any(h.module_index == index for h in self._calls())
+
+    def __bool__(self) -> bool:
+        return bool(self._calls())
+
+    def clear(self) -> None:
+        for h in self._calls():
+            self._owner.unhold(h)
+
+    def __repr__(self) -> str:
+        return "{" + ", ".join(str(i) for i in self) + "}"
+
+
 class ZeroParam:
     """One parameter's pieces, full storage, status and users.
 
@@ -127,6 +160,7 @@ class ZeroParam:
         self._views_possible = False  # see [Note: freeing gathered storage]
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
+        param.ds_active_sub_modules = ActiveSubModules(self)
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
         _BY_DS_ID[ds_id] = self
         self._publish()
@@ -322,7 +356,7 @@ class ZeroParam:
         if self._padded is not None:
             self._free_storage()
         for name in ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist", "ds_process_group",
-                     "_zero_owner", "__deepcopy__"):
+                     "_zero_owner", "__deepcopy__", "ds_active_sub_modules"):
             p.__dict__.pop(name, None)
         _BY_DS_ID.pop(self.ds_id, None)
         self.status = ZeroParamStatus.NOT_AVAILABLE

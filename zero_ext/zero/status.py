@@ -52,6 +52,8 @@ class FetchKind(Enum):
     CHECKPOINT = 8  # no gather: ranks confirm the trace events they consumed without one (coordinator.py)
     TRACE = 9  # no gather: ranks compare the trace each recorded (coordinator.py)
     INIT = 10  # under zero.Init, a torch call reached a partitioned parameter (materialise.py)
+    REDUCE = 11  # no gather: a bucket of gradients about to be reduced (optim/step_check.py)
+    STEP = 12  # no gather: the optimizer step at an accumulation boundary (optim/step_check.py)
 
 
 class TraceState(Enum):

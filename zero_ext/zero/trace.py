@@ -4,7 +4,10 @@ A step's fetches -- each module call's forward, its backward, an external parame
 recorded in order as FetchEvents while the coordinator (coordinator.py) is in RECORD. The Trace built
 from them answers what the coordinator asks while it prefetches: which event comes next, and when a
 parameter a module is releasing will be used again (the *reuse distance*: the elements the trace
-fetches in between, DeepSpeed's ``max_reuse_distance`` unit).
+fetches in between, DeepSpeed's ``max_reuse_distance`` unit). A trace of forward fetches only (a
+forward without autograd: evaluation, a decoding step of generation) is repeated by the next step as it
+is, so a parameter's last use in it also has a next use across the step boundary (``wrap_use``): its
+first use in the next repetition, at the distance of the fetches after the one and before the other.
 """
 from typing import Dict, List, NamedTuple, Sequence, Tuple
 
@@ -47,6 +50,8 @@ class Trace:
     def __init__(self, events: Sequence[FetchEvent]):
         self.events: List[FetchEvent] = list(events)
         self.next_use: List[Dict[int, Reuse]] = self._next_uses()
+        self.forward_only = all(ev.kind is not FetchKind.BACKWARD for ev in self.events)
+        self.wrap_use: List[Dict[int, Reuse]] = self._wrap_uses()
 
     def __len__(self) -> int:
         return len(self.events)
@@ -65,6 +70,23 @@ class Trace:
                     out[i][id(zp)] = Reuse(j, before[j] - before[i + 1])
             for zp in self.events[i].params:
                 seen[id(zp)] = i
+        return out
+
+    def _wrap_uses(self) -> List[Dict[int, Reuse]]:
+        first: Dict[int, Tuple[int, int]] = {}  # id(ZeroParam) -> (index of its first use, elements before it)
+        before = 0
+        for j, ev in enumerate(self.events):
+            for zp in ev.params:
+                first.setdefault(id(zp), (j, before))
+            before += ev.numel
+        out: List[Dict[int, Reuse]] = [{} for _ in self.events]
+        after = 0  # elements fetched by events[i + 1:], walking backwards
+        for i in range(len(self.events) - 1, -1, -1):
+            for zp in self.events[i].params:
+                if id(zp) not in self.next_use[i]:  # its last use in the step
+                    j, before_j = first[id(zp)]
+                    out[i][id(zp)] = Reuse(j, after + before_j)
+            after += self.events[i].numel
         return out
 
     def fingerprint(self) -> List[int]:

@@ -4,3 +4,4 @@ from zero_ext.runtime.zero import (GatheredParameters, Init, TiledLinear, ZeroPa
 from . import (config, leaf_module_config, offload_config, offload_states, partition_parameters, stage3,  # noqa: F401
                stage_1_and_2,
                tiling, utils)
+from .stage3 import unwrap_model_for_generation  # noqa: F401
