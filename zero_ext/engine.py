@@ -442,10 +442,8 @@ class ZeroEngine(torch.nn.Module):
         Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
         model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
         comm_buffers, buffers (the module's buffers), hpz_secondary (ZeRO++ hpZ's node-local copies),
-        activations (what deepspeed.checkpointing keeps of checkpointed calls' inputs until backward, this
-        process's). Tiers: accelerator (the compute device), host,
-        nvme. A byte is counted once, under the first kind that holds it: an fp32 master that is a
-        view of the parameters adds nothing.
+        activations (checkpointed calls' kept inputs, docs/memory.md). Tiers: accelerator (the compute
+        device), host, nvme. A byte is counted once, under the first kind that holds it.
         """
         account = MemoryAccount(self.device, host=offload_state.offloaded_tensors(self) + self.host_placed())
         for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
