@@ -437,14 +437,12 @@ class ZeroEngine(torch.nn.Module):
     # -- memory -----------------------------------------------------------------------------------------
 
     def memory_breakdown(self) -> Dict[str, Dict[str, int]]:
-        """Bytes this rank holds, by kind and tier (see docs/memory.md for the formulas).
-
-        Kinds: params (the model's parameters in their dtype), fp32_master, grads (gradients in the
-        model's dtype), fp32_grads (this rank's fp32 gradient partition), optimizer_state,
-        comm_buffers, buffers (the module's buffers), hpz_secondary (ZeRO++ hpZ's node-local copies),
-        activations (checkpointed calls' kept inputs, docs/memory.md). Tiers: accelerator (the compute
-        device), host, nvme. A byte is counted once, under the first kind that holds it.
-        """
+        """Bytes this rank holds, by kind and tier (docs/memory.md has the formulas). Kinds: params (the
+        model's parameters in their dtype), fp32_master, grads (gradients in the model's dtype), fp32_grads
+        (this rank's fp32 gradient partition), optimizer_state, comm_buffers, buffers (the module's buffers),
+        hpz_secondary (ZeRO++ hpZ's node-local copies), activations (checkpointed calls' kept inputs).
+        Tiers: accelerator (the compute device), host, nvme. A byte is counted once, under the first kind
+        that holds it."""
         account = MemoryAccount(self.device, host=offload_state.offloaded_tensors(self) + self.host_placed())
         for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
             account.add(kind, tensor)
