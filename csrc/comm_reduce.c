@@ -2,7 +2,7 @@
  *
  * Element by element, so the AVX-512 and AVX2 paths give the scalar reference's bits: the same
  * additions in the same order, one multiply by the scale, one rounding (the conversions of
- * cpu_optim.h, which the optimizers already prove equal to torch's). Vector tails go through the
+ * convert.h, which the optimizers already prove equal to torch's). Vector tails go through the
  * scalar code, which computes the same thing.
  */
 #include <errno.h>
@@ -10,44 +10,7 @@
 #include <string.h>
 
 #include "comm.h"
-#include "cpu_optim.h"
-
-/* fp16 -> fp32, exact (what F16C's VCVTPH2PS does). */
-static inline float f16_to_f32(uint16_t h)
-{
-	uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, u;
-	if (exp == 0x1f) {
-		u = sign | 0x7f800000u | (mant << 13); /* inf, NaN (payload kept) */
-	} else if (exp) {
-		u = sign | ((exp + 112) << 23) | (mant << 13);
-	} else if (mant) { /* subnormal: normalise */
-		int e = -1;
-		do {
-			e++;
-			mant <<= 1;
-		} while (!(mant & 0x400u));
-		u = sign | ((uint32_t)(112 - e) << 23) | ((mant & 0x3ffu) << 13);
-	} else {
-		u = sign;
-	}
-	float f;
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
-static inline float load_f(const void *p, int64_t i, int dtype)
-{
-	if (dtype == ZX_F32)
-		return ((const float *)p)[i];
-	uint16_t h = ((const uint16_t *)p)[i];
-	if (dtype == ZX_BF16) {
-		uint32_t u = (uint32_t)h << 16;
-		float f;
-		memcpy(&f, &u, sizeof(f));
-		return f;
-	}
-	return f16_to_f32(h);
-}
+#include "convert.h"
 
 static inline float combine_f(float acc, float x, int redop)
 {
@@ -66,9 +29,9 @@ static void reduce_float_scalar(int dtype, int redop, float scale, const void *c
 				void *dst, int64_t b, int64_t e)
 {
 	for (int64_t i = b; i < e; i++) {
-		float acc = load_f(srcs[0], i, dtype);
+		float acc = zx_load_f32(srcs[0], i, dtype);
 		for (int k = 1; k < n; k++)
-			acc = combine_f(acc, load_f(srcs[k], i, dtype), redop);
+			acc = combine_f(acc, zx_load_f32(srcs[k], i, dtype), redop);
 		if (scale != 1.0f)
 			acc *= scale;
 		if (dtype == ZX_F32)
@@ -79,16 +42,6 @@ static void reduce_float_scalar(int dtype, int redop, float scale, const void *c
 }
 
 #if ZX_HAVE_X86
-ZX_TARGET_AVX2 static inline __m256 load8(const void *p, int64_t i, int dtype)
-{
-	if (dtype == ZX_F32)
-		return _mm256_loadu_ps((const float *)p + i);
-	__m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-	if (dtype == ZX_BF16)
-		return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-	return _mm256_cvtph_ps(h);
-}
-
 ZX_TARGET_AVX2 static inline __m256 combine8(__m256 acc, __m256 x, int redop)
 {
 	if (redop == ZX_REDOP_SUM || redop == ZX_REDOP_AVG)
@@ -105,9 +58,9 @@ ZX_TARGET_AVX2 static void reduce_float_avx2(int dtype, int redop, float scale, 
 	const __m256 s = _mm256_set1_ps(scale);
 	int64_t i = b;
 	for (; i + 8 <= e; i += 8) {
-		__m256 acc = load8(srcs[0], i, dtype);
+		__m256 acc = zx_load8_f32(srcs[0], i, dtype);
 		for (int k = 1; k < n; k++)
-			acc = combine8(acc, load8(srcs[k], i, dtype), redop);
+			acc = combine8(acc, zx_load8_f32(srcs[k], i, dtype), redop);
 		if (scale != 1.0f)
 			acc = _mm256_mul_ps(acc, s);
 		if (dtype == ZX_F32)
@@ -116,16 +69,6 @@ ZX_TARGET_AVX2 static void reduce_float_avx2(int dtype, int redop, float scale, 
 			_mm_storeu_si128((__m128i *)((uint16_t *)dst + i), zx_to16x8(acc, dtype));
 	}
 	reduce_float_scalar(dtype, redop, scale, srcs, n, dst, i, e);
-}
-
-ZX_TARGET_AVX512 static inline __m512 load16(const void *p, int64_t i, int dtype)
-{
-	if (dtype == ZX_F32)
-		return _mm512_loadu_ps((const float *)p + i);
-	__m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-	if (dtype == ZX_BF16)
-		return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-	return _mm512_cvtph_ps(h);
 }
 
 ZX_TARGET_AVX512 static inline __m512 combine16(__m512 acc, __m512 x, int redop)
@@ -143,9 +86,9 @@ ZX_TARGET_AVX512 static void reduce_float_avx512(int dtype, int redop, float sca
 	const __m512 s = _mm512_set1_ps(scale);
 	int64_t i = b;
 	for (; i + 16 <= e; i += 16) {
-		__m512 acc = load16(srcs[0], i, dtype);
+		__m512 acc = zx_load16_f32(srcs[0], i, dtype, 0xffff);
 		for (int k = 1; k < n; k++)
-			acc = combine16(acc, load16(srcs[k], i, dtype), redop);
+			acc = combine16(acc, zx_load16_f32(srcs[k], i, dtype, 0xffff), redop);
 		if (scale != 1.0f)
 			acc = _mm512_mul_ps(acc, s);
 		if (dtype == ZX_F32)

@@ -223,7 +223,6 @@ static PyObject *comm_unlink(PyObject *obj, PyObject *unused)
 	return rc < 0 ? zx_raise(rc, "Comm.unlink") : Py_NewRef(Py_None);
 }
 
-#define PTR(x) ((void *)(uintptr_t)(x))
 
 static PyObject *comm_all_gather(PyObject *obj, PyObject *args)
 {

@@ -10,7 +10,6 @@
 
 #include "comm.h"
 
-#define PTR(x) ((void *)(uintptr_t)(x))
 
 static PyObject *py_frag_map(PyObject *self, PyObject *args)
 {

@@ -4,7 +4,6 @@
 
 #include "quant.h"
 
-#define PTR(x) ((void *)(uintptr_t)(x))
 
 static PyObject *py_quant_sizes(PyObject *self, PyObject *args)
 {

@@ -8,6 +8,9 @@
 
 #include <stdint.h>
 
+/* An address passed from Python as an int (tensor.data_ptr()) as a pointer. */
+#define PTR(x) ((void *)(uintptr_t)(x))
+
 /* Raises for a negative C status (-errno) and returns NULL: `return zx_raise(rc, "what")`. */
 PyObject *zx_raise(int64_t status, const char *what);
 /* A Python sequence of ints as a fresh int64 array (free with PyMem_Free); *n receives its length. */
