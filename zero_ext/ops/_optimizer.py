@@ -162,6 +162,16 @@ class CPUOptimizer(torch.optim.Optimizer):
                                "enabled 'offload_optimizer': 'cpu' in your ZeRO config (or move the model "
                                "to the CPU)")
 
+    def _prepare_step(self, closure, fp16_param_groups, params):
+        """What every step starts with: (the closure's loss, fp16_param_groups checked per group, the ids
+        of ``params`` to step or None for all)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        only = None if params is None else {id(t) for t in params}
+        return loss, self._out_groups(fp16_param_groups, len(self.param_groups)), only
+
     @torch.no_grad()
     def step(self, closure=None, fp16_param_groups=None, *, grad_scale=1.0, params=None):
         """One step of every parameter that has a gradient: one C call per param group (per step
@@ -173,12 +183,7 @@ class CPUOptimizer(torch.optim.Optimizer):
         (1/loss_scale times the clip coefficient); they are not modified. params (zero_ext): step only
         these parameters (the NVMe-offloaded step updates one resident group at a time).
         """
-        only = None if params is None else {id(t) for t in params}
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        outs = self._out_groups(fp16_param_groups, len(self.param_groups))
+        loss, outs, only = self._prepare_step(closure, fp16_param_groups, params)
         _sync_threads()
         for gi, group in enumerate(self.param_groups):
             batches = {}

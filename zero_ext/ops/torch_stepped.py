@@ -63,12 +63,7 @@ class TorchStepped(CPUOptimizer):
     @torch.no_grad()
     def step(self, closure=None, fp16_param_groups=None, *, grad_scale=1.0, params=None):
         """As CPUOptimizer.step, with torch's update for each parameter that has a gradient."""
-        only = None if params is None else {id(t) for t in params}
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        outs = self._out_groups(fp16_param_groups, len(self.param_groups))
+        loss, outs, only = self._prepare_step(closure, fp16_param_groups, params)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None or (only is not None and id(p) not in only):
