@@ -11,7 +11,12 @@ frame: ``terminate called without an active exception``, SIGABRT (docs/debugging
 torch alone). So every collective of zero_ext runs through ``run`` (the facade, collectives.py, wraps
 each with ``tracked``): the backend gets fresh aliases (``detach()``: same storage, a TensorImpl of
 their own) that only this module holds in Python; an alias is done with once its ``_use_count()`` is
-back to 1, i.e. nothing in C++ refers to it. Then dropping it here, on the calling thread, is safe.
+back to 1 (nothing in C++ refers to it) *and* its Python refcount is back to ours alone. The second
+check matters since torch 2.10's PyObject preservation: a C++ reference beyond the first holds a
+reference to the Python object too, and the thread that drops the C++ count from 2 to 1 decrefs the
+Python object afterwards, once it has the GIL; between the two, ``_use_count()`` already reads 1, and
+dropping our reference then would leave the backend's pending decref the last one. Once both read
+"ours alone", dropping the alias here, on the calling thread, is safe.
 ``settle`` waits for that at the end of a step, a forward-only pass and ``engine.destroy()``; ``drain``
 (also waiting for collectives still running) at exit, from an atexit hook that runs before the
 interpreter finalizes, and before ``zero_ext.comm.destroy_process_group``. Finished entries are also
@@ -24,6 +29,7 @@ they are let go, whenever that is (no entry is dropped before).
 import atexit
 import functools
 import logging
+import sys
 import threading
 import time
 from typing import Callable, List, Optional
@@ -54,9 +60,14 @@ class _Entry:
             if not self.work.is_completed():
                 return False
             self.work, self.done_at = None, now
-        return all(a._use_count() == 1 for a in self.aliases)
+        return all(a._use_count() == 1 for a in self.aliases) and all(n == _ALONE for n in _refcounts(self.aliases))
 
 
+def _refcounts(aliases: List[torch.Tensor]) -> List[int]:
+    return [sys.getrefcount(a) for a in aliases]
+
+
+_ALONE = _refcounts([torch.empty(0)])[0]  # an alias that only an entry's list holds, as _refcounts counts it
 _lock = threading.Lock()
 _entries: List[_Entry] = []
 
