@@ -108,7 +108,11 @@ def _gpu_verbs():
         dist.all_gather_into_tensor(ref_g, base)
         out[str(dtype)] = [x.float().cpu().tolist() for x in (t, mx, g, rs, b, v, *outs)] + \
             [ref_t.float().cpu().tolist(), ref_g.float().cpu().tolist()]
+    # the communicator's channel buffers, measured when it was made, are what the memory report counts
+    made = nccl.for_group(None, dev)
+    out_bytes = (made.buffer_bytes, nccl.buffer_bytes())
     nccl.destroy_all()
+    out["buffers"] = [out_bytes, nccl.buffer_bytes()]
     return out
 
 
@@ -119,6 +123,9 @@ def test_cuda_collectives_run_on_the_nccl_transport_and_match_torch(world):
         pytest.skip(f"needs {world} GPUs")
     for rank, out in enumerate(run_ranks(world, _gpu_verbs, timeout=300)):
         assert out.pop("routed") == "Nccl"
+        (own, counted), after = out.pop("buffers")
+        assert counted == own and after == 0
+        assert own > 0 or world == 1  # NCCL takes device memory for the channels to its peers
         for dtype, values in out.items():
             t, mx, g, rs, b, v, o1, o2, ref_t, ref_g = values
             assert t == ref_t and g == ref_g, dtype

@@ -472,6 +472,7 @@ class ZeroEngine(torch.nn.Module):
         # on a CPU run is the compute device's
         account.bytes["comm_buffers"]["accelerator" if self.device.type == "cpu" else "host"] += \
             comm.native.buffer_bytes()
+        account.bytes["comm_buffers"]["accelerator"] += comm.nccl.buffer_bytes()  # NCCL's own, on the GPU
         for pieces in self._piece_stores():
             account.bytes["params"]["nvme"] += pieces.nvme_bytes()
             for t in pieces.cached_tensors():  # (max_in_cpu's host copies)

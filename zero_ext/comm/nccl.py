@@ -70,8 +70,9 @@ class Nccl:
     """The NCCL communicator of one process group on one device, with the facade's verbs on CUDA
     tensors (contiguous, of one device)."""
 
-    def __init__(self, comm: ctypes.c_void_p, ranks: List[int], device: torch.device):
+    def __init__(self, comm: ctypes.c_void_p, ranks: List[int], device: torch.device, buffer_bytes: int = 0):
         self.comm, self.ranks, self.device = comm, ranks, device
+        self.buffer_bytes = buffer_bytes  # device memory NCCL took when the communicator was made
         self.rank, self.world = ranks.index(dist.get_rank()), len(ranks)
         self.stream = torch.cuda.Stream(device=device)
         self.lib = _cuda.library()
@@ -185,7 +186,7 @@ def _bootstrap(group, ranks, device) -> Optional[Nccl]:
     me, n = ranks.index(dist.get_rank()), len(ranks)
     base = f"zero_ext/nccl/{group.group_name}/{device.index}"
     key = f"{base}/{-(-store.add(f'{base}/joins', 1) // n)}"
-    comm, error = ctypes.c_void_p(), ""
+    comm, error, taken = ctypes.c_void_p(), "", 0
     try:
         lib = _cuda.library()
         if me == 0:
@@ -194,7 +195,9 @@ def _bootstrap(group, ranks, device) -> Optional[Nccl]:
             store.set(f"{key}/id", uid.raw)
         uid = store.get(f"{key}/id")
         with torch.cuda.device(device):
+            free_before = torch.cuda.mem_get_info(device)[0]
             _cuda.check(lib.zx_nccl_comm_init(ctypes.byref(comm), n, me, uid), "NCCL communicator")
+            taken = max(0, free_before - torch.cuda.mem_get_info(device)[0])
     except (ImportError, _cuda.CudaLibraryError, RuntimeError) as e:
         error = str(e)
     store.set(f"{key}/ok/{me}", "!" + error if error else "ok")
@@ -206,7 +209,7 @@ def _bootstrap(group, ranks, device) -> Optional[Nccl]:
         logger.warning("zero_ext: the NCCL transport is unavailable for group %s (%s); using "
                        "torch.distributed", group.group_name, "; ".join(failed))
         return None
-    return Nccl(comm, ranks, device)
+    return Nccl(comm, ranks, device, taken)
 
 
 def for_group(group, device: torch.device) -> Optional[Nccl]:
@@ -229,6 +232,13 @@ def for_group(group, device: torch.device) -> Optional[Nccl]:
                 _LIVE.append(nccl)
                 weakref.finalize(group, _forget, nccl)
         return per_device[device.index]
+
+
+def buffer_bytes() -> int:
+    """Device memory this rank's NCCL communicators took when they were made (their channels' buffers,
+    measured as the drop in free device memory across ncclCommInitRank; connections NCCL opens lazily
+    at a first collective of a new kind are not in it): the memory report's comm buffers."""
+    return sum(n.buffer_bytes for n in _LIVE if not n.destroyed)
 
 
 def _forget(nccl: Nccl):
