@@ -65,22 +65,25 @@ def worker(rank: int, args, port: int, queue) -> None:
     base.register_step_pre_hook(lambda *a: clock.__setitem__("t0", time.perf_counter()))
     base.register_step_post_hook(lambda *a: clock.__setitem__("t", clock["t"] + time.perf_counter() - clock["t0"]))
     gen = torch.Generator().manual_seed(100 + rank)  # bench_step.py's batches
-    times, opt_times, updates = [], [], []
+    times, opt_times, updates, cpus = [], [], [], []
     for _ in range(args.warmup + args.steps):
         x = torch.randint(0, 256, (args.batch, args.block + 1), generator=gen)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         engine.backward(lm_loss(engine(x[:, :-1]), x[:, 1:]))
         t1 = time.perf_counter()
         engine.step()
         t2 = time.perf_counter()
         times.append(t2 - t0)
+        cpus.append(time.process_time() - c0)
         opt_times.append(t2 - t1)
         updates.append(clock["t"])
         clock["t"] = 0.0
-    timed = torch.tensor([times[args.warmup:], opt_times[args.warmup:], updates[args.warmup:]], dtype=torch.float64)
+    timed = torch.tensor([times[args.warmup:], opt_times[args.warmup:], updates[args.warmup:], cpus[args.warmup:]],
+                         dtype=torch.float64)
     dist.all_reduce(timed, op=dist.ReduceOp.MAX)
     queue.put({"rank": rank, "times": timed[0].tolist(), "opt_times": timed[1].tolist(), "updates": timed[2].tolist(),
+               "cpus": timed[3].tolist(),
                "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline": baseline,
                "optimizer": f"DS {type(base).__name__}", "params": params, "version": deepspeed.__version__})
     dist.destroy_process_group()
@@ -103,6 +106,7 @@ def main():
     print(json.dumps({"step": statistics.median(r0["times"]), "best": min(r0["times"]),
                       "opt": statistics.median(r0["opt_times"]), "opt_best": min(r0["opt_times"]),
                       "update": statistics.median(r0["updates"]), "update_best": min(r0["updates"]),
+                      "cpu": statistics.median(r0["cpus"]),
                       "optimizer": r0["optimizer"], "rss": [r["rss"] for r in results],
                       "baseline": [r["baseline"] for r in results], "tensors": [float("nan")] * WORLD,
                       "params": r0["params"], "agreements": 0.0, "version": r0["version"]}))
