@@ -250,3 +250,47 @@ def test_bad_mics_combinations_fail_at_load(zero, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config({"train_batch_size": 1, "zero_optimization": {"stage": 3, **zero}})
+
+
+# -- with qwZ and qgZ (inside the shard group) -------------------------------------------------------------
+
+def test_mics_with_qwz_and_qgz_trains_as_the_quantized_reference(monkeypatch):
+    """test_zero_quantized.py's reference with MiCS's cuts: weights quantized per piece of the shard group
+    (s pieces), gradients quantized-reduced inside each shard group, the groups' fp32 sums then added."""
+    import test_zero_quantized as tq
+    from helpers.quant_ref import gathered_weight, reduced_gradient
+
+    s = 2
+    case = ("fp32", 4, 1, "gpt", 6, {**tq.QW, **tq.QG, "mics_shard_size": s})
+    monkeypatch.setattr(tq, "gathered_weight", lambda w, world: gathered_weight(w, s))
+    monkeypatch.setattr(tq, "reduced_gradient", lambda grads, world, quantized: sum(
+        reduced_gradient(grads[k:k + s], s, quantized=quantized) for k in range(0, len(grads), s)))
+    results = run_ranks(4, tq._train_engine, case, timeout=240)
+    ref_losses, ref_master = tq._reference(case)
+    for r, (losses, params, masters) in enumerate(results):
+        assert torch.allclose(torch.tensor(losses), torch.tensor(ref_losses[r]), rtol=1e-5, atol=0), r
+        for n, m in masters.items():
+            assert ((m - ref_master[n]).abs() <= 1e-5 * (ref_master[n].abs() + tq.LR)).all(), n
+
+
+def _modify_on_rank_3():
+    import zero_ext
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = MODELS["mlp"]()
+    cfg = _config({"mics_shard_size": 2}, "fp32")
+    engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(), config=cfg)
+    name, weight = next((n, p) for n, p in engine.module.named_parameters() if p.requires_grad)
+    with zero_ext.zero.GatheredParameters(weight, modifier_rank=3):
+        if rank == 3:
+            weight.data.fill_(0.5)
+    value = full_params(engine)[name]
+    master = zero_ext.utils.safe_get_full_fp32_param(weight)
+    engine.destroy()
+    return value, master
+
+
+def test_gathered_parameters_modifier_rank_is_a_global_rank_and_replicas_follow():
+    for value, master in run_ranks(4, _modify_on_rank_3):  # (ranks 0 and 2 head the shard groups)
+        assert torch.equal(value, torch.full_like(value, 0.5)) and torch.equal(master, value)
