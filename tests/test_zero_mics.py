@@ -196,9 +196,11 @@ def _round_trip(folder):
     again = engine_for({"mics_shard_size": 2})
     again.load_checkpoint(folder, tag="plain")
     loaded_again = state(again)
+    again.load_checkpoint(folder, tag="mics")  # the same layout: each rank reads its shard rank's file alone
+    reloaded_mics = state(again)
     again.destroy()
     files = sorted(f for f in os.listdir(os.path.join(folder, "mics")) if f.endswith("optim_states.pt"))
-    return saved_mics, loaded_plain, saved_plain, loaded_again, files
+    return saved_mics, loaded_plain, saved_plain, loaded_again, reloaded_mics, files
 
 
 def _same(a, b):
@@ -206,9 +208,10 @@ def _same(a, b):
 
 
 def test_checkpoint_round_trip_mics_to_plain_zero3_and_back(tmp_path):
-    for saved_mics, loaded_plain, saved_plain, loaded_again, files in run_ranks(4, _round_trip, str(tmp_path),
-                                                                                timeout=240):
+    for saved_mics, loaded_plain, saved_plain, loaded_again, reloaded_mics, files in run_ranks(
+            4, _round_trip, str(tmp_path), timeout=240):
         assert _same(saved_mics, loaded_plain) and _same(saved_plain, loaded_again)
+        assert _same(saved_mics, reloaded_mics)
         assert files == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]  # shard group 0's
     import json
     manifest = json.load(open(tmp_path / "mics" / "zero_ext_manifest.json"))
@@ -294,3 +297,22 @@ def _modify_on_rank_3():
 def test_gathered_parameters_modifier_rank_is_a_global_rank_and_replicas_follow():
     for value, master in run_ranks(4, _modify_on_rank_3):  # (ranks 0 and 2 head the shard groups)
         assert torch.equal(value, torch.full_like(value, 0.5)) and torch.equal(master, value)
+
+
+def test_deepspeeds_mics_init_paths_resolve_to_zero_ext():
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    compat = os.path.join(ROOT, "compat")
+    code = ("from deepspeed.zero import MiCS_Init\n"
+            "from deepspeed.runtime.zero import MiCS_Init as R\n"
+            "from deepspeed.runtime.zero.mics import MiCS_Init as M\n"
+            "import deepspeed, zero_ext\n"
+            "assert MiCS_Init is R is M is zero_ext.zero.MiCS_Init and issubclass(M, zero_ext.zero.Init)\n"
+            "print(deepspeed.__file__)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([compat, ROOT])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(compat)

@@ -122,7 +122,7 @@ def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:
     detail = (f"stage={zc.stage} precision={cfg.precision} micro_batch={cfg.train_micro_batch_size_per_gpu} "
               f"accumulation={cfg.gradient_accumulation_steps} reduce_bucket_size={zc.reduce_bucket_size} "
               f"allgather_bucket_size={zc.allgather_bucket_size} sub_group_size={zc.sub_group_size} "
-              f"offload_optimizer={devices[0]} offload_param={devices[1]} "
+              f"offload_optimizer={devices[0]} offload_param={devices[1]} mics_shard_size={zc.mics_shard_size} "
               f"parameters={len(params)} shapes={shapes}")
     check_all_ranks_call("zero_ext.initialize", call_number("initialize"), detail=detail,
                          hint="; every rank must build the same model with the same config")

@@ -14,7 +14,9 @@ Here:
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
   at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
   (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead,
-  synchronously.
+  synchronously. With MiCS (zero/mics.py) all of this runs inside the shard group, and each reduced
+  block is then all-reduced over the replica group (the ranks holding the same pieces) before it is
+  added: the sum over every rank, averaged over every rank as without MiCS.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
