@@ -214,8 +214,13 @@ def test_checkpoint_round_trip_mics_to_plain_zero3_and_back(tmp_path):
         assert _same(saved_mics, reloaded_mics)
         assert files == [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)]  # shard group 0's
     import json
+
+    from zero_ext.checkpoint.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     manifest = json.load(open(tmp_path / "mics" / "zero_ext_manifest.json"))
     assert manifest["layout"]["world"] == 2 and manifest["layout"]["mics_shard_size"] == 2
+    offline = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="mics")  # the converter reads it too
+    assert all(torch.equal(offline[n], p) for n, p in saved_mics[0].items())
 
 
 # -- bad combinations --------------------------------------------------------------------------------------

@@ -253,7 +253,7 @@ def _mics_groups(zc, plan: OffloadPlan, world: int) -> Optional[MiCSGroups]:
                           f"each gradient partition over its {world // size} replicas on the device, which "
                           "optimizer offload moves to host memory; remove offload_optimizer, or set "
                           f"mics_shard_size to the world size ({world}: no replicas)")
-    return mics_groups(size, zc.mics_hierarchical_params_gather, comm.new_group)
+    return mics_groups(size, zc.mics_hierarchical_params_gather)
 
 
 def _check_partition_group(zp, mics: Optional[MiCSGroups]) -> None:

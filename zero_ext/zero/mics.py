@@ -31,6 +31,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from ..config import ConfigError
 
 
@@ -106,7 +107,7 @@ def mics_groups(shard_size: int, hierarchical: bool = False, new_group: Optional
     made = _made.get(key)
     if made is not None and made._world is default:
         return made
-    new_group = new_group or dist.new_group
+    new_group = new_group or comm.new_group
     found = {}
     for start in range(0, world, shard_size):  # shard groups: consecutive ranks
         ranks = list(range(start, start + shard_size))
