@@ -85,7 +85,7 @@ def _memory(zero):
 
 def test_memory_breakdown_is_sized_by_the_shard_group_not_the_world():
     for zero, shard in (({"mics_shard_size": 2}, 2), ({}, 4)):
-        for mem, numels in run_ranks(4, _memory, zero):
+        for mem, numels in run_ranks(4, _memory, zero, timeout=240):
             piece = sum(-(-n // shard) for n in numels)  # ceil(numel / shard size) elements per parameter
             assert mem["params"] == 2 * piece  # bf16 pieces
             assert mem["fp32_master"] == 4 * piece and mem["fp32_grads"] == 4 * piece
@@ -155,7 +155,7 @@ def _mics_init():
 
 
 def test_mics_init_partitions_in_shard_groups_with_rank_0s_values():
-    results = run_ranks(4, _mics_init)
+    results = run_ranks(4, _mics_init, timeout=240)
     torch.manual_seed(0)
     ref = dict(MODELS["mlp"]().named_parameters())
     for pieces, groups, values, numels, refused in results:
@@ -243,7 +243,7 @@ def _error(zero):
     ({"mics_shard_size": 2, "mics_hierarchical_params_gather": True}, "lies inside one node of 2 ranks"),
 ])
 def test_bad_mics_settings_are_named_on_every_rank(zero, message):
-    for kind, text in run_ranks(4, _error, zero, env={"NDEV_PER_NODE": "2"}):
+    for kind, text in run_ranks(4, _error, zero, env={"NDEV_PER_NODE": "2"}, timeout=240):
         assert kind == "ConfigError" and message in text
 
 
@@ -300,7 +300,7 @@ def _modify_on_rank_3():
 
 
 def test_gathered_parameters_modifier_rank_is_a_global_rank_and_replicas_follow():
-    for value, master in run_ranks(4, _modify_on_rank_3):  # (ranks 0 and 2 head the shard groups)
+    for value, master in run_ranks(4, _modify_on_rank_3, timeout=240):  # (ranks 0 and 2 head the shard groups)
         assert torch.equal(value, torch.full_like(value, 0.5)) and torch.equal(master, value)
 
 
