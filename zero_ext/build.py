@@ -2,7 +2,8 @@
 
 ``initialize`` checks its arguments and the config, then calls :func:`build_engine`, which in order:
 
-1. places the model: stage 3 partitions it and installs the fetch/release hooks (``zero.ZeroModel``),
+1. places the model: stage 3 partitions it (over MiCS's shard groups with ``mics_shard_size``,
+   zero/mics.py) and installs the fetch/release hooks (``zero.ZeroModel``),
    stages 0-2 move it to the device and dtype and broadcast rank 0's values;
 2. makes the base optimizer (the client's, or the config's: the C one for host tensors — optimizer
    offload or a CPU run — else torch's; see optim/factory.py) and checks it;
