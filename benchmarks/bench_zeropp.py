@@ -1,5 +1,5 @@
 """ZeRO++ on 4 CPU ranks as 2 "nodes" of 2: bytes crossing the node boundary per step and step time, for
-plain ZeRO-3, qwZ, qgZ, hpZ and all three, in the same run.
+plain ZeRO-3, qwZ, qgZ, hpZ, all three and MiCS (flat and two-level), in the same run.
 
     python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--layers 4] [--d 384]
 
@@ -39,6 +39,17 @@ CONFIGS = {
     "qwZ+qgZ+hpZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True,
                     "zero_hpz_partition_size": NODE},
 }
+
+# MiCS (zero/mics.py): "MiCS" shards each node's ranks (shard group = node: gathers stay inside it, each
+# gradient piece is all-reduced with the other node's replica); "MiCS-2lvl" shards over all 4 ranks and
+# gathers in two levels (across nodes among same-local-rank pairs, then inside the node). Nodes for MiCS's
+# hierarchy come from NDEV_PER_NODE, set here for every spawned rank.
+MICS = {
+    "MiCS": {"mics_shard_size": NODE},
+    "MiCS-2lvl": {"mics_shard_size": WORLD, "mics_hierarchical_params_gather": True},
+}
+CONFIGS.update(MICS)
+os.environ.setdefault("NDEV_PER_NODE", str(NODE))
 
 
 def worker(rank, name, args, port, queue):

@@ -199,9 +199,9 @@ def test_real_offload_files_pass_the_implementation_check():
     # CPU offload (HF's ZeRO-2 file) and NVMe offload of optimizer and parameters are implemented
     reject_unimplemented(load_quiet(CONFIGS / "hf_ds_config_zero2.json"))
     reject_unimplemented(load_quiet(CONFIGS / "seed_zero3_offload_nvme.json"))
-    with pytest.raises(ConfigError, match="mics_shard_size"):
+    with pytest.raises(ConfigError, match="zeropp_loco_param"):
         reject_unimplemented({"train_micro_batch_size_per_gpu": 1,
-                              "zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+                              "zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}})
 
 
 # -- diagnostics ---------------------------------------------------------------------------------

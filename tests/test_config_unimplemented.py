@@ -18,10 +18,6 @@ CASES = {
     "zero_optimization.zeropp_loco_param": (
         {"zero_optimization": {**Z3, "zeropp_loco_param": {"err_beta": 0.8}}},
         {"err_beta": 0.8}),
-    "zero_optimization.mics_shard_size": ({"zero_optimization": {**Z3, "mics_shard_size": 8}},
-                                          8),
-    "zero_optimization.mics_hierarchical_params_gather": (
-        {"zero_optimization": {**Z3, "mics_hierarchical_params_gather": True}}, True),
     "zero_optimization.zenflow": ({"zero_optimization": {"stage": 2, "zenflow": {}}}, None),
     "zero_optimization.memory_efficient_linear": (
         {"zero_optimization": {**Z3, "memory_efficient_linear": False}}, False),

@@ -189,8 +189,8 @@ def test_batch_triple_that_contradicts_the_world_size():
 def test_unimplemented_feature_is_refused_by_name():
     from zero_ext.config import ConfigError
 
-    with pytest.raises(ConfigError, match="zero_optimization.mics_shard_size"):
-        _engine({**BASE, "zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+    with pytest.raises(ConfigError, match="zero_optimization.zeropp_loco_param"):
+        _engine({**BASE, "zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}})
 
 
 def test_backward_of_a_non_scalar_or_detached_loss():

@@ -2,7 +2,8 @@
 
 ``initialize`` checks its arguments and the config, then calls :func:`build_engine`, which in order:
 
-1. places the model: stage 3 partitions it and installs the fetch/release hooks (``zero.ZeroModel``),
+1. places the model: stage 3 partitions it (over MiCS's shard groups with ``mics_shard_size``,
+   zero/mics.py) and installs the fetch/release hooks (``zero.ZeroModel``),
    stages 0-2 move it to the device and dtype and broadcast rank 0's values;
 2. makes the base optimizer (the client's, or the config's: the C one for host tensors — optimizer
    offload or a CPU run — else torch's; see optim/factory.py) and checks it;
@@ -47,6 +48,7 @@ from .zero import ZeroModel, unpartition
 from .zero.ds_surface import ParameterOffload
 from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
+from .zero.mics import MiCSGroups, mics_groups, of as mics_of
 from .zero.secondary import node_groups
 
 logger = logging.getLogger("zero_ext")
@@ -67,12 +69,14 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
     made = _Made()
     try:
-        made.zero_model = _place_model(model, cfg, device, world, plan)
+        mics = _mics_groups(cfg.zero_optimization, plan, world)
+        made.zero_model = _place_model(model, cfg, device, world, plan, mics)
         base = _base_optimizer(model, cfg, optimizer, groups, plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
-            made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world)
+            made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
+                                        mics)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
@@ -119,7 +123,7 @@ def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:
     detail = (f"stage={zc.stage} precision={cfg.precision} micro_batch={cfg.train_micro_batch_size_per_gpu} "
               f"accumulation={cfg.gradient_accumulation_steps} reduce_bucket_size={zc.reduce_bucket_size} "
               f"allgather_bucket_size={zc.allgather_bucket_size} sub_group_size={zc.sub_group_size} "
-              f"offload_optimizer={devices[0]} offload_param={devices[1]} "
+              f"offload_optimizer={devices[0]} offload_param={devices[1]} mics_shard_size={zc.mics_shard_size} "
               f"parameters={len(params)} shapes={shapes}")
     check_all_ranks_call("zero_ext.initialize", call_number("initialize"), detail=detail,
                          hint="; every rank must build the same model with the same config")
@@ -161,13 +165,14 @@ def _hand_over(model: torch.nn.Module) -> None:
 
 # -- 1. the model -------------------------------------------------------------------------------------------
 
-def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan):
+def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan,
+                 mics: Optional[MiCSGroups] = None):
     """Stage 3: the ZeroModel over the partitioned model; stages 0-2: None, the model on the device in
     the training dtype, rank 0's values on every rank (replicas start equal even when scripts seed
     each rank differently, as DeepSpeed does)."""
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     if cfg.zero_optimization.stage == 3:
-        return _install_stage3(model, cfg, device, dtype, world, plan)
+        return _install_stage3(model, cfg, device, dtype, world, plan, mics)
     model.to(device)
     if dtype is not None:
         model.to(dtype)
@@ -179,7 +184,7 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
 
 
 def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, world: int,
-                    plan: OffloadPlan) -> ZeroModel:
+                    plan: OffloadPlan, mics: Optional[MiCSGroups] = None) -> ZeroModel:
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
@@ -187,6 +192,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
         for p in model.parameters():
             zp = zero_param_of(p)
             if zp is not None:
+                _check_partition_group(zp, mics)
                 if zp.dtype != want:
                     raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
                                      f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
@@ -209,7 +215,8 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
-    return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
+    return ZeroModel(model, group=mics.shard_group if mics is not None else None,
+                     param_persistence_threshold=zc.param_persistence_threshold,
                      model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
                      remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
                      prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
@@ -232,6 +239,36 @@ def _hpz_groups(zc, plan: OffloadPlan, world: int):
                           "use one or the other")
     found = node_groups(size, world, comm.get_rank(), comm.new_group)
     return None if found is None else (*found, size)
+
+
+def _mics_groups(zc, plan: OffloadPlan, world: int) -> Optional[MiCSGroups]:
+    """MiCS's shard and replica groups (zero/mics.py), or None when off. The rules that need the world
+    size are checked here (the config's own rules ran at load)."""
+    if zc.stage != 3 or zc.mics_shard_size <= 0:
+        return None
+    size = zc.mics_shard_size
+    if plan.optimizer and world > size and world % size == 0:
+        # DeepSpeed's MiCS refused this at its first reduction ("Local sharding has no support for CPU
+        # offloading"): the replica all-reduce runs on the device partitions
+        raise ConfigError(f"zero_optimization.mics_shard_size = {size} with offload_optimizer: MiCS all-reduces "
+                          f"each gradient partition over its {world // size} replicas on the device, which "
+                          "optimizer offload moves to host memory; remove offload_optimizer, or set "
+                          f"mics_shard_size to the world size ({world}: no replicas)")
+    return mics_groups(size, zc.mics_hierarchical_params_gather)
+
+
+def _check_partition_group(zp, mics: Optional[MiCSGroups]) -> None:
+    """A parameter zero.Init / zero.MiCS_Init partitioned must be cut as this engine's config says."""
+    want = mics.shard_group if mics is not None else None
+    if zp.group is want or (mics is None and mics_of(zp.group) is None):
+        return
+    name = getattr(zp, "name", "")
+    if mics is not None:
+        raise ValueError(f"zero_ext.initialize: parameter {name} was partitioned over another group than MiCS's "
+                         f"shard groups of {mics.shard_size} ranks (zero_optimization.mics_shard_size); build the "
+                         "model under zero.MiCS_Init(config_dict_or_path=<the same config>)")
+    raise ValueError(f"zero_ext.initialize: parameter {name} was partitioned by zero.MiCS_Init, but the config has no "
+                     "zero_optimization.mics_shard_size; build it under zero.Init, or give the engine the MiCS config")
 
 
 # -- 2. the base optimizer ------------------------------------------------------------------------------------
@@ -273,16 +310,23 @@ def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
-                    world: int) -> ZeroOptimizer:
+                    world: int, mics: Optional[MiCSGroups] = None) -> ZeroOptimizer:
     zc = cfg.zero_optimization
     after_step = []
+    pg = None  # the partition group: the world, or MiCS's shard group (rank and world then its own)
     if zc.stage == 3:
+        everyone = world  # gradients are averaged over every rank, MiCS's replicas too
+        replicas = None
+        if mics is not None:
+            pg, rank, world = mics.shard_group, mics.shard_rank, mics.shard_size
+            replicas = mics.replica_group if mics.replicas > 1 else None
         on_group = (lambda k, g: _register_piece_group(nvme_pieces, cfg, k, g)) if nvme_pieces is not None else None
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
-                                       on_group=on_group)
-        reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
-                               _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
-                               quantized=zc.zero_quantized_gradients)
+                                       on_group=on_group, process_group=pg)
+        averaging = _averaging(cfg, everyone, groups[0].dtype)
+        reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm, averaging, rank, world,
+                               zc.ignore_unused_parameters, process_group=pg, quantized=zc.zero_quantized_gradients,
+                               replicas=replicas)
         after_step.append(zero_model.refresh_persistent)
         after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:
@@ -306,7 +350,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         else:
             reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
     return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
-                         world, loss_scaler=scaler_from_config(cfg.fp16), after_step=after_step,
+                         world, loss_scaler=scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
                          nvme_pieces=nvme_pieces)
 
 

@@ -128,7 +128,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     stage = cfg.zero_optimization.stage
     bf16 = cfg.bf16.enabled
     digests = {}
-    if stage >= 1 or rank == 0:  # stage 0 replicates: rank 0's copy is the whole state
+    # stage 0 replicates: rank 0's copy is the whole state; MiCS: shard group 0's (ranks 0 .. shard size - 1)
+    if (stage >= 1 and rank < engine.optimizer.world) or rank == 0:
         name = optim_file(rank, bf16)
         digests[name] = atomic_torch_save(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name),
                                           sync_dir=False)  # (rank 0 fsyncs the folder once, below)
@@ -215,7 +216,7 @@ def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
         "zero_stage": stage, "loss_scaler": scaler.state_dict(), "dynamic_loss_scale": scaler.dynamic,
         "overflow": opt.overflow, "clip_grad": opt.clip, "base_optimizer_state": opt.optimizer.state_dict(),
         _partition_key(stage): [_alone(g.master) for g in opt.flat_groups],
-        "partition_count": engine.world_size if stage >= 1 else 1,
+        "partition_count": opt.world if stage >= 1 else 1,
     }
     if stage == 3 and not exclude_frozen:
         osd["frozen_pieces"] = {n: zp.shard.detach().clone() for n, zp in _zero_params(engine.module).items()
@@ -361,7 +362,7 @@ def _read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> _Shards:
     saved = manifest["layout"]
     same = saved == layout_of.describe(engine) and manifest["world_size"] == engine.world_size
     if same:
-        ranks = [engine.global_rank if saved["world"] > 1 else 0]
+        ranks = [engine.optimizer.rank if saved["world"] > 1 else 0]  # (MiCS: the rank in the shard group)
     else:
         ranks = list(range(saved["world"]))
     return _Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest) for r in ranks})

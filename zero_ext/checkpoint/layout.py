@@ -1,7 +1,8 @@
 """A checkpoint's layout: which fp32 partition holds which parameter, and moving values between layouts.
 
 The layout, stored in the manifest, names each optimizer group's parameters and sizes in order, with the
-stage and world size that cut them. That is all it takes to rebuild every parameter's full fp32 value
+stage and world size that cut them (with MiCS the shard size, and ``mics_shard_size``: the other
+shard groups hold replicas of shard group 0's partitions, so only its files are written). That is all it takes to rebuild every parameter's full fp32 value
 (and each element-wise optimizer state) from the saved partitions (zero_to_fp32.param_values) and to
 cut them again for another world size or stage: any stage 0-3 checkpoint loads into any stage 0-3
 engine, at any world size.
@@ -16,8 +17,11 @@ def describe(engine) -> Dict[str, Any]:
     names = {id(p): n for n, p in engine.module.named_parameters()}
     stage = engine.config.zero_optimization.stage
     groups = [{"params": [names[id(p)] for p in g.params], "numels": list(g.numels)} for g in opt.flat_groups]
-    world = engine.world_size if stage >= 1 else 1
-    return {"stage": stage, "world": world, "groups": groups}
+    world = opt.world if stage >= 1 else 1  # the partition group's: MiCS's shard size (zero/mics.py)
+    out = {"stage": stage, "world": world, "groups": groups}
+    if stage == 3 and world < engine.world_size:  # MiCS: shard group 0 wrote the files, replicas hold the same
+        out["mics_shard_size"] = world
+    return out
 
 
 def scatter(engine, full: Dict[str, torch.Tensor], like: List[torch.Tensor]) -> List[torch.Tensor]:

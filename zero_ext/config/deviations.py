@@ -125,6 +125,17 @@ DEVIATIONS = [
      "Error: zero_hpz_partition_size > 1 with offload_param.",
      "hpZ's secondary copy lives on the device, where offloading the parameters was meant to free "
      "memory."),
+    ("MiCS (mics_shard_size, mics_hierarchical_params_gather)",
+     "0.19.8 removed MiCS (deepspeedai/DeepSpeed#8489). Before: a model had to be built under "
+     "zero.MiCS_Init; a shard size not dividing the world failed an assert; hpZ was silently unused; "
+     "optimizer offload failed at the first gradient reduction; mics_hierarchical_params_gather without "
+     "mics_shard_size was ignored; a shard group inside one node with the hierarchical gather failed an "
+     "assert.",
+     "Kept, with the semantics of the last DeepSpeed that had it (zero/mics.py). initialize also "
+     "partitions a model built whole; the bad combinations are ConfigErrors naming the key: a shard size "
+     "not dividing the world, MiCS with hpZ, with offload_optimizer when there are replicas, the "
+     "hierarchical gather without MiCS, inside one node, or with qwZ.",
+     "Users of MiCS keep their configs; what would be ignored or fail late is refused up front."),
     ("aio limits",
      "Any positive block_size, queue_depth and thread count.",
      "block_size a multiple of 4096 up to 2**30 bytes, queue_depth <= 4096, "

@@ -28,9 +28,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.offload_optimizer.super_offload": "SuperOffload",
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ error feedback (DeepSpeed 0.19.8 removed it too: "
                                            "deepspeedai/DeepSpeed#8489)",
-    "zero_optimization.mics_shard_size": "MiCS sharding (DeepSpeed 0.19.8 removed it too: deepspeedai/DeepSpeed#8489)",
-    "zero_optimization.mics_hierarchical_params_gather": "MiCS hierarchical all-gather (removed from DeepSpeed "
-                                                         "0.19.8: deepspeedai/DeepSpeed#8489)",
     "zero_optimization.zenflow": "ZenFlow",
     "zero_optimization.memory_efficient_linear": "turning off the memory-efficient linear",
     "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",

@@ -133,10 +133,18 @@ class ZeroConfig(ConfigModel):
         "1-D parameters unquantized) through one all-to-all, summed in fp32 on arrival.", stage3_only=True)
     zeropp_loco_param: Optional[Dict[str, Any]] = option(
         None, "LoCo-ZeRO++ error-feedback settings, e.g. {\"err_beta\": 0.8, \"reset_T\": 1024}.")
-    mics_shard_size: Int = option(-1, "MiCS: ranks one model-state shard spans (-1: off).",
-                                   ge=-1, le=2 ** 31 - 1)
+    mics_shard_size: Int = option(
+        -1, "MiCS: parameters, gradients and optimizer states are partitioned inside groups of this many "
+        "consecutive ranks and replicated across the world / mics_shard_size groups; gradients are "
+        "reduce-scattered inside the group, then all-reduced across the replicas (-1 or 0: off; must divide "
+        "the world; not with zero_hpz_partition_size, nor with offload_optimizer when there are replicas). "
+        "Build the model under zero.MiCS_Init(config_dict_or_path=...) or let initialize partition it.",
+        ge=-1, le=2 ** 31 - 1, stage3_only=True)
     mics_hierarchical_params_gather: bool = option(
-        False, "MiCS: two-level (intra-/inter-node) parameter gather.")
+        False, "MiCS: a shard group spanning several nodes (NDEV_PER_NODE, else LOCAL_WORLD_SIZE ranks each) "
+        "gathers parameters in two levels: across nodes among the ranks of the same local index, then inside "
+        "the node (same values, fewer bytes across nodes). Needs mics_shard_size spanning whole nodes.",
+        stage3_only=True)
     memory_efficient_linear: bool = option(
         True, "zero.Init swaps F.linear for a variant that keeps no gathered weight for "
         "backward.", stage3_only=True)
@@ -269,9 +277,27 @@ def _stage_rules(z: ZeroConfig):
         yield ("legacy_stage1", True,
                "the legacy stage-1 implementation was removed (DeepSpeed >= 0.5.9 rejects it "
                "too); remove the key")
+    if z.stage == 3:
+        yield from _mics_rules(z)
     if z.stage in (1, 2) and z.allgather_bucket_size % 2:
         yield ("allgather_bucket_size", z.allgather_bucket_size,
                "must be a multiple of 2 (4-byte alignment of 16-bit all-gather buckets)")
+
+
+def _mics_rules(z: ZeroConfig):
+    """MiCS's combinations (those needing the world size are checked by the builder, zero/mics.py)."""
+    mics = z.mics_shard_size > 0
+    if z.mics_hierarchical_params_gather and not mics:
+        yield ("mics_hierarchical_params_gather", True,
+               "has no effect without MiCS: set mics_shard_size (> 0) or remove the key")
+    if mics and z.zero_hpz_partition_size > 1:
+        yield ("mics_shard_size", z.mics_shard_size,
+               f"MiCS and hpZ (zero_hpz_partition_size = {z.zero_hpz_partition_size}) both choose where parameters "
+               "are gathered from; use one of them")
+    if mics and z.mics_hierarchical_params_gather and z.zero_quantized_weights:
+        yield ("mics_hierarchical_params_gather", True,
+               "the two-level gather moves exact pieces; it does not combine with zero_quantized_weights (qwZ): "
+               "turn one of them off")
 
 
 def stage3_only_keys_given(z: ZeroConfig) -> Tuple[str, ...]:

@@ -14,7 +14,9 @@ Here:
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
   at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
   (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead,
-  synchronously.
+  synchronously. With MiCS (zero/mics.py) all of this runs inside the shard group, and each reduced
+  block is then all-reduced over the replica group (the ranks holding the same pieces) before it is
+  added: the sum over every rank, averaged over every rank as without MiCS.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
@@ -35,8 +37,9 @@ class ShardGroup:
     partitioned = True
     lp_grad = None
 
-    def __init__(self, zparams, rank: int, world: int, host=None):
+    def __init__(self, zparams, rank: int, world: int, host=None, process_group=None):
         self.zparams = zparams
+        self.pg = process_group  # the partition group (the world, or a MiCS shard group)
         self.params = [zp.param for zp in zparams]
         self.numels = [zp.numel for zp in zparams]
         self.shards = [zp.shard_numel for zp in zparams]
@@ -107,8 +110,10 @@ class ShardReducer(StreamingReducer):
     MAX_IN_FLIGHT = 2
 
     def __init__(self, groups: List[ShardGroup], zero_model, bucket_size: int, overlap: bool, averaging: Averaging,
-                 rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False):
+                 rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False,
+                 replicas=None):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        self.replicas = replicas  # MiCS: the group of ranks holding the same pieces (zero/mics.py), or None
         self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py)
         self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
         self.bucket_size = max(1, bucket_size)
@@ -126,6 +131,11 @@ class ShardReducer(StreamingReducer):
         self.verify_fetch_order = zero_model.verify_fetch_order
         self.handles = [zero_model.register_grad_ready_hook(self._on_grad),
                         zero_model.register_backward_end_hook(self.finish_backward)]
+
+    @property
+    def reduces(self) -> bool:
+        """Whether gradients are summed over several ranks (then averaged)."""
+        return self.world > 1 or self.replicas is not None
 
     def _on_grad(self, zp) -> None:
         if id(zp) not in self.where:
@@ -145,7 +155,7 @@ class ShardReducer(StreamingReducer):
         members, self.bucket, self.bucket_numel = self.bucket, [], 0
         if not members:
             return
-        if self.world == 1:  # one rank: each piece is the whole parameter, nothing to reduce or copy
+        if self.world == 1 and self.replicas is None:  # one rank: each piece is the whole parameter
             for zp in members:
                 gi, i = self.where[id(zp)]
                 g = self.groups[gi]
@@ -163,14 +173,14 @@ class ShardReducer(StreamingReducer):
         for zp in members:
             zp.param.grad = None  # copied: the full gradient is freed now
         handle = None
+        if self.avg.pre != 1.0 and self.reduces:
+            buf.mul_(self.avg.pre)
         if self.world > 1:
             self.verify_fetch_order()
             # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
             # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
             agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, buf.device,
                                first_ds_id=members[0].ds_id)
-            if self.avg.pre != 1.0:
-                buf.mul_(self.avg.pre)
             if self.quantized:  # one all-to-all, synchronous; the block comes back as an fp32 sum
                 layout, at = [], 0
                 for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
@@ -195,7 +205,9 @@ class ShardReducer(StreamingReducer):
         handle, block, members = entry
         if handle is not None:
             handle.wait()
-        post = self.avg.post if self.world > 1 else 1.0
+        if self.replicas is not None:  # MiCS: the shard group's sum, summed over the replicas
+            comm.all_reduce(block, group=self.replicas)
+        post = self.avg.post if self.reduces else 1.0
         pos = 0
         for zp in members:
             gi, i = self.where[id(zp)]
@@ -233,11 +245,12 @@ def _full_grad(zp) -> torch.Tensor:
 
 
 def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int,
-                       plan=None, on_group=None):
+                       plan=None, on_group=None, process_group=None):
     """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
     (groups per base group — lists of ShardGroup —, all ShardGroups in order). ``plan`` (an
     OffloadPlan) says which sub-groups keep their master and gradients in host memory; ``on_group(k, g)``
-    runs as each sub-group is made."""
+    runs as each sub-group is made. ``rank``, ``world``, ``process_group``: the partition group's (with
+    MiCS a shard group's, zero/mics.py)."""
     per_group, flat = [], []
     for group in base.param_groups:
         zps = [getattr(p, "_zero_owner", None) for p in group["params"] if p.requires_grad]
@@ -255,7 +268,7 @@ def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: 
         on_host = plan.host_subgroups([sum(z.numel for z in m) for m in members]) if plan else [False] * len(members)
         subs = []
         for m, h in zip(members, on_host):
-            subs.append(ShardGroup(m, rank, world, host=plan.host if h else None))
+            subs.append(ShardGroup(m, rank, world, host=plan.host if h else None, process_group=process_group))
             if on_group is not None:  # (offload_param nvme: its pieces go to their swap file at once)
                 on_group(len(flat) + len(subs) - 1, subs[-1])
         group["params"] = [s.master for s in subs]

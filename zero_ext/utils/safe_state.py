@@ -75,7 +75,8 @@ class _Where:
         g = self.g
         shards = getattr(g, "shards", None)  # stage 3: local forms are the padded piece (ds_tensor)
         if shards is not None:
-            self.frags = Fragments(SHARDS, g.numels[i], g.offsets[i], shards[i], g.world, g.rank)
+            self.frags = Fragments(SHARDS, g.numels[i], g.offsets[i], shards[i], g.world, g.rank,
+                                     group=getattr(g, "pg", None))  # (MiCS: the shard group)
         elif g.partitioned:
             self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, g.world, g.rank)
         else:  # stage 0: every rank holds the whole group

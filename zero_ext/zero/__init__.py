@@ -16,7 +16,9 @@ Files, one noun each (docs/zero3.md has the design):
   kept as int8 (zero_quantized_nontrainable_weights).
 - fetch.py: fetch/release and the fetch-order agreement between ranks.
 - convert.py: whole -> partitioned (zero.Init, ZeroModel).
-- init.py: zero.Init; materialise.py: its torch calls on the full value of partitioned parameters.
+- mics.py: MiCS's shard, replica and node groups (mics_shard_size), the registry naming a shard group's
+  layout.
+- init.py: zero.Init and zero.MiCS_Init; materialise.py: its torch calls on the full value of partitioned parameters.
 - model.py: ZeroModel, the layer installed on one model.
 - hooks.py: the per-module forward/backward hooks.
 - coordinator.py: prefetch along the recorded fetch order; trace.py: that order (FetchEvent, Trace);
@@ -35,7 +37,7 @@ from .fetch import FetchOrderError
 from .gathered import GatheredParameters
 from .generation import GenerationMemoryError, generation
 from .guard import PartitionedWriteError
-from .init import Init
+from .init import Init, MiCS_Init
 from .model import ZeroModel
 from .param import ZeroParam, is_zero_param, zero_param_of
 from .status import TrainingPhase, ZeroParamStatus
@@ -45,7 +47,7 @@ from .tiling import TiledLinear
 from .unpartition import unpartition
 
 __all__ = [
-    "Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
+    "Init", "MiCS_Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
     "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
     "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError", "generation",

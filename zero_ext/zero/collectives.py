@@ -110,6 +110,39 @@ def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[to
     return PendingGather(work, copy_out)
 
 
+def all_gather_two_level_async(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                               numels: Sequence[int], intra, inter, per_node: int) -> PendingGather:
+    """``all_gather_pieces_async`` over a partition group of n nodes of ``per_node`` ranks (group rank
+    j * per_node + i is rank i of node j), in two levels (MiCS's hierarchical gather, zero/mics.py): an
+    all-gather over ``inter`` (rank i of every node: each piece crosses to each other node once), then one
+    over ``intra`` (the node) of what that brought. The same blocks land in the same places as in the flat
+    gather, so the outputs hold the same bits. The first level is synchronous, the second is returned."""
+    i, g = rank_and_world(intra)
+    j, n = rank_and_world(inter)
+    assert g == per_node, (g, per_node)
+    world = n * g
+    block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
+    offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}
+    dtype, device = outputs[0].dtype, outputs[0].device
+    across = torch.empty(n * block, dtype=dtype, device=device)  # [node j] -> block of rank j * g + i
+    own = across.view(n, block)[j]
+    own.zero_()
+    for k, piece in enumerate(pieces):
+        if k in offsets:
+            own[offsets[k]: offsets[k] + piece.numel()].copy_(piece)
+    comm.all_gather_into(across, own, inter)
+    both = torch.empty(g * n * block, dtype=dtype, device=device)  # [i'][j] -> block of rank j * g + i'
+    work = comm.all_gather_into(both, across, intra, async_op=True)
+
+    def copy_out():
+        by_rank = both.view(g, n, block).transpose(0, 1)  # [j][i']: rank-major
+        for k, out in enumerate(outputs):
+            if k in offsets:
+                size = out.numel() // world
+                out.view(n, g, size).copy_(by_rank[:, :, offsets[k]: offsets[k] + size])
+    return PendingGather(work, copy_out)
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group) -> None:
     """``tensor`` (contiguous) takes the value it has on group rank ``src_group_rank``."""
     if rank_and_world(group)[1] > 1:

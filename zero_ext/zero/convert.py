@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._native import planner
-from . import collectives, internal
+from . import collectives, internal, mics
 from ..accelerator import compute_device
 from .fetch import FetchSite, check_agreement
 from .param import ZeroParam, is_zero_param, next_ds_id, peek_ds_id
@@ -63,12 +63,16 @@ def _partition_params(params, group, remote_device, pin_memory, src_group_rank, 
     if world > 1:  # the scatters below must match in size: agree first ([Note: fetch-order agreement])
         check_agreement(FetchSite(FetchKind.PARTITION), [p.shape for p in params], peek_ds_id(), group,
                         collectives.check_device(group, params[0].device))
+    layout = mics.of(group)  # MiCS (zero/mics.py): pieces replicated over the shard groups
+    replicas = layout.replica_group if layout is not None and layout.replicas > 1 else None
     converted = []
     for p in params:  # one at a time: the whole value never goes to the compute device
         home = p.device
         piece = torch.empty(planner.shard_numel(p.numel(), world), dtype=p.dtype, device=home)
         with torch.no_grad():
             collectives.scatter_pieces(p.data, piece, src_group_rank, group)
+            if replicas is not None:  # MiCS: the other shard groups take shard group 0's pieces
+                collectives.broadcast(piece, 0, replicas)
         target = shard_device(remote_device, compute or home)
         if target != home:
             piece = piece.to(target)

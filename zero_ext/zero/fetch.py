@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import collectives, internal
+from . import collectives, internal, mics
 from .param import ZeroParam, zero_param_by_ds_id
 from .status import FetchKind, ZeroParamStatus
 
@@ -96,8 +96,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                 if secondary:  # hpZ: within the node, from the copies kept at the forward's release
                     pending = bucket[0].secondary.gather_async(bucket, outputs)
                 else:
-                    pending = collectives.all_gather_pieces_async([zp.read_piece() for zp in bucket], outputs,
-                                                                  [zp.numel for zp in bucket], group, quantized)
+                    pending = _gather_async(bucket, outputs, group, quantized)
                     if site.kind in FORWARD_KINDS and bucket[0].secondary is not None:
                         bucket[0].secondary.gathered_for_training(bucket)  # hpZ: copy kept at release
                 gather = _Gather(pending, bucket)
@@ -105,6 +104,17 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                     zp.await_gather(gather)
                     issued += zp.numel
     return issued
+
+
+def _gather_async(bucket: List[ZeroParam], outputs: List[torch.Tensor], group, quantized: bool):
+    """The all-gather of ``bucket``'s pieces over their group: flat, or in two levels for a MiCS shard
+    group spanning nodes with mics_hierarchical_params_gather (zero/mics.py)."""
+    pieces, numels = [zp.read_piece() for zp in bucket], [zp.numel for zp in bucket]
+    layout = mics.of(group)
+    if layout is not None and layout.hierarchy is not None and not quantized:
+        intra, inter, per_node = layout.hierarchy
+        return collectives.all_gather_two_level_async(pieces, outputs, numels, intra, inter, per_node)
+    return collectives.all_gather_pieces_async(pieces, outputs, numels, group, quantized)
 
 
 def wait_gathered(params: Sequence[ZeroParam]) -> None:

@@ -13,7 +13,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from . import collectives, internal
+from . import collectives, internal, mics
 from .external import register_external_parameter
 from .fetch import FetchSite, check_agreement, fetch, release
 from .param import ZeroParam, zero_param_of
@@ -23,11 +23,13 @@ from .status import FetchKind
 def adopt_values_of(group_rank: int, params: Sequence[ZeroParam]) -> None:
     """Each gathered parameter's full value becomes its value on ``group_rank`` (a replaced
     ``param.data`` included), every rank keeps its part as its piece and the update hooks run.
-    Collective."""
+    Collective. A MiCS shard group's parameters take the value of global rank ``group_rank`` over the
+    whole world (DeepSpeed's data-parallel group there), so that the replicas stay equal."""
     with internal.section(), torch.no_grad():
         for zp in params:
             zp.adopt_replaced_data()
-            collectives.broadcast(zp.full, group_rank, zp.group)
+            group = None if mics.of(zp.group) is not None else zp.group
+            collectives.broadcast(zp.full, group_rank, group)
             zp.write_back()
 
 
@@ -35,9 +37,9 @@ class GatheredParameters:
     """Gather ``params`` (a tensor or an iterable of tensors) on enter; partition them again on exit.
 
     - ``modifier_rank=None``: changes made inside the block are discarded (each rank's piece is kept).
-    - ``modifier_rank=r`` (a rank of the parameters' group): on exit rank ``r``'s full values are
-      broadcast, each rank keeps its part as its new piece, and each parameter's update hooks run
-      (``ZeroParam.register_update_hook``: where the engine's fp32 master copy follows).
+    - ``modifier_rank=r`` (a rank of the parameters' group; with MiCS a global rank): on exit rank
+      ``r``'s full values are broadcast, each rank keeps its part as its new piece, and each parameter's
+      update hooks run (``ZeroParam.register_update_hook``: where the engine's fp32 master copy follows).
     - ``fwd_module``: also register the parameters as external to that module (see external.py).
     - Tensors that are not ZeRO-3 parameters pass through untouched; with none, or ``enabled=False``,
       the block does nothing.

@@ -60,6 +60,7 @@ from ..nvme.swap_dir import check_nvme_path
 from . import convert, guard, internal
 from .materialise import Materialiser
 from .param import is_zero_param, zero_param_of
+from .mics import mics_groups
 
 _ACTIVE: Optional["_InitSession"] = None  # the outermost active Init's state
 
@@ -362,3 +363,37 @@ class Init(contextlib.ContextDecorator):
         session, _ACTIVE = _ACTIVE, None
         session.close(flush=exc_type is None)
         return False
+
+
+class MiCS_Init(Init):  # noqa: N801 (DeepSpeed's name)
+    """``zero.Init`` partitioning over MiCS's shard groups (zero/mics.py): each parameter is cut
+    ``zero_optimization.mics_shard_size`` ways inside this rank's shard group and replicated across the
+    others (global rank 0's value everywhere). ``config_dict_or_path`` is required (it holds the shard size
+    and mics_hierarchical_params_gather); the other arguments are zero.Init's. Give the engine the same
+    config. ``data_parallel_group`` / ``mpu``: the shard groups are cut from the whole world, so a data-parallel
+    group other than the world is refused."""
+
+    def __init__(self, module: Optional[torch.nn.Module] = None, data_parallel_group=None,
+                 sequence_data_parallel_group=None, mem_efficient_linear: bool = True, remote_device=None,
+                 pin_memory: bool = False, config_dict_or_path=None, config=None, enabled: bool = True,
+                 dtype: Optional[torch.dtype] = None, mpu=None):
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if source is None:
+            raise ValueError("zero.MiCS_Init needs config_dict_or_path: the config with "
+                             "zero_optimization.mics_shard_size")
+        zc = load_config(source).zero_optimization
+        if zc.mics_shard_size <= 0:
+            raise ValueError(f"zero.MiCS_Init: the config's zero_optimization.mics_shard_size is {zc.mics_shard_size}; "
+                             "set it to the ranks of one shard group (a divisor of the world size), or use zero.Init")
+        super().__init__(None, None, mem_efficient_linear, remote_device, pin_memory, config_dict_or_path, config,
+                         enabled, dtype, None, sequence_data_parallel_group=sequence_data_parallel_group)
+        if not enabled:
+            return
+        given = convert.resolve_group(data_parallel_group, mpu)
+        if given is not None and dist.get_world_size(given) != dist.get_world_size():
+            raise NotImplementedError("zero.MiCS_Init: MiCS's shard groups are cut from the whole world; a "
+                                      "data_parallel_group (or mpu) smaller than the world is not supported")
+        self.mics = mics_groups(zc.mics_shard_size, zc.mics_hierarchical_params_gather)
+        self.group = self.mics.shard_group
+        if module is not None:
+            convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device)
