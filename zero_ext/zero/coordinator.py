@@ -180,6 +180,8 @@ class PrefetchCoordinator:
         held ahead -- except, after a forward-only step that followed its trace to the end, what is kept for
         the trace's next repetition (see [Note: ZeRO-3 prefetch trace]), or the whole model when it fits
         (see [Note: resident decoding] in resident.py)."""
+        if self.residency is not None and not repeat:  # a backward (of a graph from before decoding) ended
+            self.end_residency(check=True)
         if self.residency is not None:
             if not self._diverged and self._pos != len(self.trace):
                 self.residency.left_trace(self._pos, None, -1)
