@@ -28,8 +28,10 @@ trace is COMPLETE (status.TraceState), else it is recorded again. Along a comple
   autograd (evaluation, a decoding step of generation) over a trace of forward fetches only is repeated
   as it is by the next step, so there a parameter's last use reaches into the next repetition
   (Trace.wrap_use) and is kept under the same two limits: decoding with a model within
-  ``max_live_parameters`` gathers it once. Whatever changes the pieces (the optimizer step, a checkpoint
-  load) goes through ``refresh_persistent``, which drains the kept parameters with the persistent ones.
+  ``max_live_parameters`` gathers it once; once such a repetition ends, the whole model is held and the
+  per-forward checkpoint gives way to checks on a doubling schedule (see [Note: resident decoding] in
+  resident.py). Whatever changes the pieces (the optimizer step, a checkpoint load) goes through
+  ``refresh_persistent``, which drains the kept parameters with the persistent ones.
 A fetch that is not the next event (dynamic control flow: a branch taken, a module skipped, a forward
 without backward) invalidates the trace: what was prefetched is waited for and released, and the rest
 of the step fetches on demand (a debug log says where; ``log_trace_cache_warnings`` makes it a
