@@ -10,7 +10,8 @@
 - the schedule exactly: a branch every rank takes is no error; a rank-dependent one is raised at the
   first check after it, having computed exactly meanwhile; the next forwards record again and match;
   ``check_fetch_order=False`` runs no check; a forward with autograd checks what the last check did
-  not see before training goes on;
+  not see before training goes on; a module skipped on one rank is named as a forward ended early;
+  a backward of a graph from before the decoding gets the plain gradients and ends residency;
 - a model over ``max_live_parameters`` is not made resident (it streams, checked every forward).
 """
 import importlib.util
@@ -129,12 +130,14 @@ class _Branchy(nn.Module):
     def __init__(self):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-        self.every_rank, self.on_rank_1 = False, False
+        self.every_rank, self.on_rank_1, self.skip_on_rank_1 = False, False, False
 
     def forward(self, x):
         x = torch.tanh(self.a(x))
         if self.every_rank or (self.on_rank_1 and rank() == 1):
             x = self.c(x)
+        if self.skip_on_rank_1 and rank() == 1:
+            return x
         return self.b(x)
 
 
@@ -210,6 +213,58 @@ def _leaving_case():
 def test_a_forward_with_autograd_checks_what_the_last_check_did_not_see():
     for message in run_ranks(2, _leaving_case, timeout=60):
         assert message is not None and "leaving decoding" in message and "forward 3 left the trace" in message
+
+
+def _skip_case():
+    from zero_ext.zero import FetchOrderError, ZeroModel
+
+    torch.manual_seed(0)
+    model = _Branchy()
+    zm = ZeroModel(model, param_persistence_threshold=0)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for f in range(1, 5):  # forward 4 is resident forward 2, checked at its end; rank 1 skips b there
+            model.skip_on_rank_1 = f == 4
+            try:
+                model(x)
+                message = None
+            except FetchOrderError as exc:
+                message = str(exc)
+    zm.destroy()
+    return message
+
+
+def test_a_module_skipped_on_one_rank_is_named_too():
+    for message in run_ranks(2, _skip_case, timeout=60):
+        assert message is not None and ("rank 1: checking after 2 resident forward(s); forward 2 ended after 1 "
+                                        "of the trace's 2 fetches (the next is the forward of module 'b' (Linear))"
+                                        ) in message, message
+
+
+def _backward_after_decoding_case():
+    from zero_ext.zero import ZeroModel
+
+    torch.manual_seed(0)
+    model, plain = _Branchy(), _Branchy()
+    plain.load_state_dict(model.state_dict())
+    zm = ZeroModel(model, param_persistence_threshold=0)
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank()))
+    loss, ref = model(x).pow(2).sum(), plain(x).pow(2).sum()  # a graph from before the decoding
+    with torch.no_grad():
+        outs = [torch.equal(model(x), plain(x)) for _ in range(5)]
+    resident = zm.coordinator.residency is not None
+    loss.backward()
+    ref.backward()
+    grads = all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters())
+                if q.grad is not None)
+    after = zm.coordinator.residency is None and all(p.numel() == 0 for p in model.parameters())
+    zm.destroy()
+    return outs, resident, grads, after
+
+
+def test_a_backward_after_resident_decoding_has_the_plain_gradients_and_ends_residency():
+    for outs, resident, grads, after in run_ranks(2, _backward_after_decoding_case, timeout=60):
+        assert all(outs) and resident and grads and after, (outs, resident, grads, after)
 
 
 def _streaming_case():
