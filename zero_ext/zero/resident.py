@@ -23,9 +23,10 @@ branch a rank takes, so nothing a rank does in a forward can leave another waiti
   f raises FetchOrderError on every rank, naming each rank's first differing fetch, at most 63
   forwards later. Every rank runs those checks at the same forwards, since ranks
   decoding partitioned run the same number of forwards (``synced_gpus=True``);
-- residency ends at the start of a forward with autograd (training goes on) and before the optimizer
-  step's refresh, each time after one last check of what is not checked yet (every rank is about to
-  run collectives of ours there anyway); local calls that release gathered parameters
+- residency ends at the start of a forward with autograd (training goes on), at the end of a backward
+  (of a graph built before the decoding) and in the refresh after an optimizer step or a checkpoint
+  load, each time after one last check of what is not checked yet (every rank is about to run
+  collectives of ours there anyway); local calls that release gathered parameters
   (``empty_partition_cache``, ``destroy``, an invalidated trace) end it without one: what they drop
   computed exactly, but is not compared.
 
