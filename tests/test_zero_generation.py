@@ -103,11 +103,10 @@ class _Branchy(nn.Module):
         super().__init__()
         self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
         self.odd_rank_branch = False
-        self.every_rank_branch = False
 
     def forward(self, x):
         x = torch.tanh(self.a(x))
-        if self.every_rank_branch or (self.odd_rank_branch and rank() == 1):
+        if self.odd_rank_branch and rank() == 1:
             x = self.c(x)
         return self.b(x)
 
