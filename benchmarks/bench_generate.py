@@ -8,9 +8,13 @@ its own prompt, all modes in the same run, taken in turns (``--repeats`` rounds 
 mode, the best round of each: on a shared machine every mode sees the same load):
 
 - unpartitioned: the plain model on every rank (the baseline of the ratios);
-- partitioned: the ZeRO-3 engine's model, every parameter partitioned (persistence threshold 0): each
-  forward gathers along the recorded trace, keeping what it reuses within stage3_max_reuse_distance;
+- partitioned: the ZeRO-3 engine's model, every parameter partitioned (persistence threshold 0): the
+  first forward records the trace, the second gathers along it and, the model fitting
+  stage3_max_live_parameters, makes it resident (zero/resident.py): later forwards gather nothing and
+  the ranks compare their fetches after resident forwards 1, 2, 4, ..., 64 and every 64th;
   "no check": the same with the fetch-order agreement off (ZERO_EXT_CHECK_FETCH_ORDER=0), its share;
+  "streaming": stage3_max_live_parameters at half the model, so it cannot be resident: each forward
+  gathers what was not kept, prefetched along the trace, and ends with the fetch-order check;
 - gathered: inside ``GatheredParameters(model.parameters())`` (what TRL's unwrap_model_for_generation does);
 - generation mode: inside ``zero_ext.zero.generation(engine)`` (the same, after its memory check).
 
@@ -26,7 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _spawn import spawn_ranks  # noqa: E402
 
-MODES = ("unpartitioned", "partitioned", "partitioned, no check", "gathered", "generation mode")
+MODES = ("unpartitioned", "partitioned", "partitioned, no check", "partitioned, streaming", "gathered",
+         "generation mode")
 
 
 def build(kind: str):
@@ -79,19 +84,25 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
                                                                       "stage3_param_persistence_threshold": 0}}
     plain = build(kind)
     engine = zero_ext.initialize(model=build(kind), config=cfg)[0]
+    half = sum(p.numel() for p in plain.parameters()) // 2
+    streaming = zero_ext.initialize(model=build(kind), config={**cfg, "zero_optimization": {
+        **cfg["zero_optimization"], "stage3_max_live_parameters": half}})[0]
     os.environ["ZERO_EXT_CHECK_FETCH_ORDER"] = "0"
     unchecked = zero_ext.initialize(model=build(kind), config=cfg)[0]
     model = engine.module
     runs = {"unpartitioned": (plain, contextlib.nullcontext),
             "partitioned": (model, contextlib.nullcontext),
             "partitioned, no check": (unchecked.module, contextlib.nullcontext),
+            "partitioned, streaming": (streaming.module, contextlib.nullcontext),
             "gathered": (model, lambda: GatheredParameters(list(model.parameters()))),
             "generation mode": (model, lambda: generation(engine))}
     for mode, (m, around) in runs.items():  # warm-up; the partitioned ones record their trace
         once(m, around)
-    before = (fetch.agreements(), engine.zero_model.meter.gathers)
-    once(model, contextlib.nullcontext)
-    counts = (fetch.agreements() - before[0]) / tokens, (engine.zero_model.meter.gathers - before[1]) / tokens
+    counts = {}
+    for label, e in (("partitioned", engine), ("partitioned, streaming", streaming)):
+        before = (fetch.agreements(), e.zero_model.meter.gathers)
+        once(e.module, contextlib.nullcontext)
+        counts[label] = ((fetch.agreements() - before[0]) / tokens, (e.zero_model.meter.gathers - before[1]) / tokens)
     # round-robin, best of the rounds per mode: every mode sees the same load on a shared machine
     results = {mode: ((float("inf"),) * 3, None) for mode in runs}
     for _ in range(repeats):
@@ -101,6 +112,7 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
     stats = engine.zero_model.coordinator.stats.as_dict()
     engine.destroy()
     unchecked.destroy()
+    streaming.destroy()
     if rank == 0:
         queue.put((results, counts, stats))
 
@@ -128,9 +140,10 @@ def main():
                   f"{same:>12}")
         print("ms/token: inside the block for gathered / generation mode; block ms: entering and leaving it "
               "(the whole-model gather and, for generation mode, the memory check), once per generate call")
-        print(f"partitioned, per token after the recording: {counts[0]:.2f} fetch-order agreements, "
-              f"{counts[1]:.2f} parameter gathers; "
-              f"coordinator: {stats}")
+        for label, (agreements, gathers) in counts.items():
+            print(f"{label}, per token of a generate call after the warm-up: {agreements:.2f} fetch-order "
+                  f"agreements, {gathers:.2f} parameter gathers")
+        print(f"partitioned, coordinator counters at the end: {stats}")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ trace is COMPLETE (status.TraceState), else it is recorded again. Along a comple
   autograd (evaluation, a decoding step of generation) over a trace of forward fetches only is repeated
   as it is by the next step, so there a parameter's last use reaches into the next repetition
   (Trace.wrap_use) and is kept under the same two limits: decoding with a model within
-  ``max_live_parameters`` gathers it once. Whatever changes the pieces (the optimizer step, a checkpoint
-  load) goes through ``refresh_persistent``, which drains the kept parameters with the persistent ones.
+  ``max_live_parameters`` gathers it once; once such a repetition ends, the whole model is held and the
+  per-forward checkpoint gives way to checks on a doubling schedule (see [Note: resident decoding] in
+  resident.py). Whatever changes the pieces (the optimizer step, a checkpoint load) goes through
+  ``refresh_persistent``, which drains the kept parameters with the persistent ones.
 A fetch that is not the next event (dynamic control flow: a branch taken, a module skipped, a forward
 without backward) invalidates the trace: what was prefetched is waited for and released, and the rest
 of the step fetches on demand (a debug log says where; ``log_trace_cache_warnings`` makes it a
@@ -60,6 +62,7 @@ from . import collectives, internal
 from .fetch import FetchOrderError, FetchSite, check_agreement, issue, raise_disagreement, release, wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
+from .resident import Residency
 from .status import FetchKind, TraceState, ZeroParamStatus
 from .trace import Trace, make_event
 
@@ -101,7 +104,7 @@ class PrefetchStats:
     """Counters of what the coordinator did (diagnostics, benchmarks and tests)."""
 
     __slots__ = ("recorded", "traced_steps", "batches", "prefetched", "served_ahead", "on_demand", "retained",
-                 "invalidations", "checkpoints")
+                 "invalidations", "checkpoints", "resident_forwards", "resident_checks")
 
     def __init__(self):
         for name in self.__slots__:
@@ -146,11 +149,18 @@ class PrefetchCoordinator:
         self._retained: Dict[ZeroParam, int] = {}  # kept for reuse -> the event that uses it next
         self._retain_hold = _Hold("kept gathered for reuse (stage3_max_reuse_distance)")
         self._carry = False  # the step that ended repeats its trace next: what is kept for it stays
+        self.residency: Optional[Residency] = None  # decoding with the whole model gathered (resident.py)
+        self.resident_candidates = lambda: []  # every parameter the model's calls can fetch (set by ZeroModel)
 
     # -- step boundaries ---------------------------------------------------------------------------------
 
     def begin_step(self) -> None:
         """The root's forward begins: settle the last step's trace and start following (or recording)."""
+        if self.residency is not None:
+            if not torch.is_grad_enabled():  # decoding goes on: nothing to settle, nothing to fetch
+                self._pos, self._diverged = 0, False
+                return
+            self.end_residency(check=True)  # training goes on: last check, then gathered as it needs
         self.drain(keep_retained=self._carry)
         self._carry = False
         if self.state is TraceState.RECORD and self._recording:
@@ -170,11 +180,77 @@ class PrefetchCoordinator:
     def end_step(self, repeat: bool = False) -> None:
         """End of backward (or, ``repeat``, of a forward without autograd): check, then release what is
         held ahead -- except, after a forward-only step that followed its trace to the end, what is kept for
-        the trace's next repetition (see [Note: ZeRO-3 prefetch trace])."""
-        self.checkpoint()
+        the trace's next repetition (see [Note: ZeRO-3 prefetch trace]), or the whole model when it fits
+        (see [Note: resident decoding] in resident.py)."""
+        if self.residency is not None and not repeat:  # a backward (of a graph from before decoding) ended
+            self.end_residency(check=True)
+        if self.residency is not None:
+            if not self._diverged and self._pos != len(self.trace):
+                self.residency.left_trace(self._pos, None, -1)
+            residency, before = self.residency, self.residency.checks
+            self.stats.resident_forwards += 1
+            try:
+                residency.end_forward()
+            except FetchOrderError:
+                self.state = TraceState.INVALID  # the next step records again, nothing held
+                self.end_residency()
+                raise
+            finally:
+                self.stats.resident_checks += residency.checks - before
+            return
         self._carry = (repeat and self.state is TraceState.COMPLETE and not self._diverged
                        and self.trace.forward_only and self._pos == len(self.trace))
+        resident = self._carry and self._fits_resident()
+        if resident and self._stamped:  # the check that ends this step carries the decision: taken together
+            self._unverified = 0
+            self.stats.checkpoints += 1
+            self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1,
+                        self._stamp() + (1,))
+        else:
+            self.checkpoint()
         self.drain(keep_retained=self._carry)
+        if resident:
+            self._become_resident()
+
+    # -- resident decoding (resident.py) -----------------------------------------------------------------
+
+    def _fits_resident(self) -> bool:
+        """Whether the whole model may stay gathered: the trace's parameters are all kept for its next
+        repetition, and everything the model's calls can fetch fits within max_live_parameters."""
+        kept = {id(zp) for zp in self._retained}
+        if any(id(zp) not in kept for ev in self.trace.events for zp in ev.params):
+            return False
+        candidates = self.resident_candidates()
+        return (bool(candidates) and all(zp.group is self._group for zp in candidates)
+                and sum(zp.numel for zp in candidates) <= self.max_live)
+
+    def _become_resident(self) -> None:
+        residency = Residency(self.trace, self.namer, self._group, self._device, self.check)
+        try:
+            residency.enter(self.resident_candidates(), self.check)
+        except BaseException:
+            residency.leave()
+            raise
+        self.residency = residency
+        self._stamped = False  # resident forwards run no agreement rows (only the residency's checks)
+        retained, self._retained = list(self._retained), {}  # the resident hold covers them
+        release(retained, self._retain_hold)
+
+    def end_residency(self, check: bool = False) -> None:
+        """Stop holding the whole model gathered; ``check`` first compares what the forwards since the
+        last check did (collective: call it where every rank does)."""
+        residency, self.residency = self.residency, None
+        if residency is None:
+            return
+        try:
+            if check:
+                self.stats.resident_checks += 1 if residency.check else 0
+                residency.verify()
+        except FetchOrderError:
+            self.state = TraceState.INVALID
+            raise
+        finally:
+            residency.leave()
 
     def _finish_recording(self) -> None:
         trace = Trace(self._recording)
@@ -206,6 +282,9 @@ class PrefetchCoordinator:
         for zp in params:
             zp.hold(call)
         traced = [zp for zp in params if not zp.persist]
+        if self.residency is not None:
+            self._resident_fetch(call, kind, params, traced)
+            return
         if traced:
             if self.state is TraceState.COMPLETE and self._follow(call, kind, traced, params):
                 return
@@ -213,6 +292,22 @@ class PrefetchCoordinator:
                 self._recording.append(make_event(kind, call.state.index, traced))
         issue(params, call.state.site(kind), self.check, self._stamp())
         wait_gathered(params)
+
+    def _resident_fetch(self, call, kind: FetchKind, params, traced) -> None:
+        """A fetch while the model is resident: compared with the trace, nothing gathered."""
+        if traced:
+            i, index = self._pos, call.state.index
+            if self._diverged:
+                self.residency.off_trace(kind, index, len(traced))
+            elif i < len(self.trace) and self.trace.events[i].matches(kind, index, traced):
+                self._pos = i + 1
+            else:
+                self._diverged = True
+                self.residency.left_trace(i, kind, index)
+        if any(zp.status is not ZeroParamStatus.AVAILABLE for zp in params):
+            # not held resident (registered as external during decoding): on demand, agreed as before
+            issue(params, call.state.site(kind), self.check)
+            wait_gathered(params)
 
     def _follow(self, call, kind: FetchKind, traced, params) -> bool:
         """The fetch along a complete trace; False when it leaves the trace (then fetched on demand)."""
@@ -244,7 +339,7 @@ class PrefetchCoordinator:
     def release(self, call) -> None:
         """``call`` is done with its parameters: keep those the trace reuses soon, release the rest."""
         i, call.trace_index = call.trace_index, -1
-        if i >= 0 and self.state is TraceState.COMPLETE and not self._diverged:
+        if i >= 0 and self.state is TraceState.COMPLETE and not self._diverged and self.residency is None:
             # a forward-only trace without autograd repeats as it is: last uses reach into the next step
             wrap = self.trace.forward_only and not torch.is_grad_enabled()
             if self.trace.next_use[i] or (wrap and self.trace.wrap_use[i]):
@@ -263,7 +358,9 @@ class PrefetchCoordinator:
     def drain(self, keep_retained: bool = False) -> None:
         """Wait for the prefetches in flight and drop every hold of the coordinator (what no module call
         holds is partitioned), or all but those kept for reuse. Local: the gathers waited for were issued
-        on every rank."""
+        on every rank. Ends residency, unchecked."""
+        if self.residency is not None:
+            self.end_residency()
         entries, self._prefetched = list(self._prefetched.values()), {}
         for entry in entries:
             release(entry.params, entry.hold)

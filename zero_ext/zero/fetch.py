@@ -41,7 +41,8 @@ _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of"
               FetchKind.PREFETCH: "prefetch (along the recorded trace) starting at",
               FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace",
               FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters",
-              FetchKind.REDUCE: "gradient reduction of", FetchKind.STEP: "engine.step() at the accumulation boundary"}
+              FetchKind.REDUCE: "gradient reduction of", FetchKind.STEP: "engine.step() at the accumulation boundary",
+              FetchKind.RESIDENT: "comparing the decoding forwards run with the model resident"}
 
 
 # The fetches of the training passes, which ZeRO++ qwZ sends quantized; the others (GatheredParameters,
@@ -176,6 +177,12 @@ def agreements() -> int:
     return _AGREEMENTS[0]
 
 
+def agree_rows(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
+    """``collectives.agree``, counted in ``agreements()`` (for agreement rows built elsewhere: resident.py)."""
+    _AGREEMENTS[0] += 1
+    return collectives.agree(row, group, device)
+
+
 def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: int, group,
                     device: torch.device, stamp: Sequence[int] = ()) -> None:
     """Raise FetchOrderError on every rank unless all ranks are about to gather (or partition)
@@ -222,6 +229,8 @@ def _describe(row: Sequence[int], site: FetchSite) -> str:
     kind = FetchKind(kind) if kind in _KINDS else None
     if kind is FetchKind.STEP:  # (the module column holds the step's number, see optim/step_check.py)
         return f"{what} of step {module_index}"
+    if kind is FetchKind.RESIDENT:  # (count: the forwards; first: where one left the trace, see resident.py)
+        return f"{what}, after {count} forward(s){'' if first < 0 else ', one of which left the trace'}"
     if kind is FetchKind.GATHERED:  # (the module column holds modifier_rank, -1 for None)
         what += f"(modifier_rank={module_index if module_index >= 0 else None})"
     elif module_index >= 0:

@@ -119,6 +119,7 @@ class ZeroModel:
         self.coordinator = PrefetchCoordinator(self.describe_module, self.meter, check_fetch_order,
                                                prefetch_bucket_size, max_live_parameters, max_reuse_distance,
                                                log_trace_cache_warnings)
+        self.coordinator.resident_candidates = self._fetchable
         self._stack: List[ModuleCall] = []
         self.backward_calls: Dict[ModuleCall, None] = {}  # ordered set of calls holding for backward
         self._callback_queued = False
@@ -183,6 +184,15 @@ class ZeroModel:
             for hook in list(self._grad_ready_hooks.values()):
                 hook(zp)
         return grad_ready
+
+    def _fetchable(self) -> List[ZeroParam]:
+        """Every non-persistent parameter a module call of the model can fetch: the model's own, and those
+        registered as external to its modules (what resident decoding holds, resident.py)."""
+        found = {id(zp): zp for zp in self._params}
+        for state in self._states.values():
+            for zp in state.zero_params():
+                found.setdefault(id(zp), zp)
+        return [zp for zp in found.values() if not zp.persist]
 
     # -- what the hooks use ------------------------------------------------------------------------------
 
@@ -365,6 +375,7 @@ class ZeroModel:
 
     def refresh_persistent(self) -> None:
         """Gather persistent parameters again from their pieces (after an optimizer step). Collective."""
+        self.coordinator.end_residency(check=True)  # (collective, as this is: see [Note: resident decoding])
         self.coordinator.drain()  # nothing gathered may outlive the pieces it was gathered from
         release(self.persistent, self._persistent_holder)
         for zp in self.persistent:

@@ -54,6 +54,7 @@ class FetchKind(Enum):
     INIT = 10  # under zero.Init, a torch call reached a partitioned parameter (materialise.py)
     REDUCE = 11  # no gather: a bucket of gradients about to be reduced (optim/step_check.py)
     STEP = 12  # no gather: the optimizer step at an accumulation boundary (optim/step_check.py)
+    RESIDENT = 13  # no gather: ranks compare what their resident decoding forwards did (resident.py)
 
 
 class TraceState(Enum):
