@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import comm
-from .accelerator import compute_device
+from .accelerator import compute_device, get_accelerator
 from .comm.collective_check import call_number, check_all_ranks_call
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
@@ -40,6 +40,7 @@ from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import scaler_from_config
 from .optim.muon import MuonWithAuxAdam, muon_param_groups
+from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
@@ -234,6 +235,14 @@ def _hpz_groups(zc, plan: OffloadPlan, world: int):
     return None if found is None else (*found, size)
 
 
+def _qgz_hierarchy(zc, world: int):
+    """ZeRO++ qgZ's two levels where the world spans several nodes: nodes of zero_hpz_partition_size
+    ranks when hpZ is on, else of the ranks per host (LOCAL_WORLD_SIZE on CPU, as DeepSpeed's
+    device_count); None for one level."""
+    size = zc.zero_hpz_partition_size if zc.zero_hpz_partition_size > 1 else get_accelerator().device_count()
+    return Hierarchy.build(size, world, comm.get_rank(), comm.new_group)
+
+
 # -- 2. the base optimizer ------------------------------------------------------------------------------------
 
 def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optional[torch.optim.Optimizer]:
@@ -282,7 +291,8 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                                        on_group=on_group)
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
                                _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
-                               quantized=zc.zero_quantized_gradients)
+                               quantized=zc.zero_quantized_gradients,
+                               hierarchy=_qgz_hierarchy(zc, world) if zc.zero_quantized_gradients else None)
         after_step.append(zero_model.refresh_persistent)
         after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:

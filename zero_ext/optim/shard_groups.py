@@ -13,8 +13,8 @@ Here:
   all-reduce of which each rank keeps its block (gloo's reduce-scatter is slower, or missing in older
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
   at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
-  (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead,
-  synchronously.
+  (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead
+  (two, intra-node then inter-node, where the world spans several nodes), synchronously.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
@@ -26,7 +26,7 @@ import torch
 from .. import comm
 from .._native import cuda, planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
-from .quantized_reduce import reduce_scatter_quantized
+from .quantized_reduce import reduce_scatter_per_piece, reduce_scatter_quantized
 from .step_check import agree_on_reduction
 from .._native.planner import Piece
 
@@ -107,9 +107,11 @@ class ShardReducer(StreamingReducer):
     MAX_IN_FLIGHT = 2
 
     def __init__(self, groups: List[ShardGroup], zero_model, bucket_size: int, overlap: bool, averaging: Averaging,
-                 rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False):
+                 rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False,
+                 hierarchy=None):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
-        self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py)
+        self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py), in two levels with a Hierarchy
+        self.hierarchy = hierarchy
         self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
         self.bucket_size = max(1, bucket_size)
         self.dtype = averaging.comm_dtype
@@ -155,8 +157,17 @@ class ShardReducer(StreamingReducer):
         while len(self.pending) >= self.MAX_IN_FLIGHT:
             self._complete(self.pending[0])
         numels = [zp.numel for zp in members]
+        device = members[0].shard.device
+        self.verify_fetch_order()
+        # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
+        # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
+        agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, device,
+                           first_ds_id=members[0].ds_id)
+        if self.quantized and device.type == "cpu":
+            self._complete((None, self._reduce_quantized(members), members))
+            return
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
-        buf = torch.zeros(self.world * block, dtype=self.dtype, device=members[0].shard.device)
+        buf = torch.zeros(self.world * block, dtype=self.dtype, device=device)
         grads = [_full_grad(zp) for zp in members]
         for p in pieces:
             buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
@@ -164,19 +175,14 @@ class ShardReducer(StreamingReducer):
             zp.param.grad = None  # copied: the full gradient is freed now
         handle = None
         if self.world > 1:
-            self.verify_fetch_order()
-            # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
-            # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
-            agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, buf.device,
-                               first_ds_id=members[0].ds_id)
             if self.avg.pre != 1.0:
                 buf.mul_(self.avg.pre)
-            if self.quantized:  # one all-to-all, synchronous; the block comes back as an fp32 sum
+            if self.quantized:  # (CUDA) one all-to-all, piece by piece, synchronous: an fp32 sum back
                 layout, at = [], 0
                 for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
                     layout.append((at, zp.shard_numel, len(zp.shape) > 1))
                     at += zp.shard_numel
-                buf = reduce_scatter_quantized(buf, block, layout, self.pg, self.rank, self.world)
+                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world)
             elif buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
@@ -190,6 +196,17 @@ class ShardReducer(StreamingReducer):
             self.pending.append(entry)
         else:
             self._complete(entry)
+
+    def _reduce_quantized(self, members) -> torch.Tensor:
+        """qgZ on CPU: this rank's block as an fp32 sum, packed straight from the full gradients, which are
+        then freed (quantized_reduce.py; with ``hierarchy``, intra-node then inter-node)."""
+        grads = [_full_grad(zp).to(self.dtype).contiguous() for zp in members]
+        if self.avg.pre != 1.0:
+            grads = [g * self.avg.pre for g in grads]
+        for zp in members:
+            zp.param.grad = None
+        return reduce_scatter_quantized(grads, [zp.shard_numel for zp in members], [len(zp.shape) > 1 for zp in members],
+                                        self.pg, self.rank, self.world, self.hierarchy)
 
     def _complete(self, entry) -> None:
         handle, block, members = entry
