@@ -60,12 +60,26 @@ class Hierarchy:
         return Hierarchy(node, cross, node_size, rank, world)
 
 
+class PendingReduce:
+    """A quantized reduce-scatter in flight: ``wait()`` finishes it (once) and gives the fp32 block."""
+
+    def __init__(self, finish):
+        self._finish, self._result = finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
 def reduce_scatter_quantized(grads: Sequence[torch.Tensor], shards: Sequence[int], quantized: Sequence[bool], group,
-                             rank: int, world: int, hierarchy: Optional[Hierarchy] = None) -> torch.Tensor:
+                             rank: int, world: int, hierarchy: Optional[Hierarchy] = None) -> PendingReduce:
     """The fp32 sum over ranks of this rank's piece of every gradient in ``grads`` (full, flat, contiguous,
     one dtype; piece r of gradient i is ``shards[i]`` elements from ``r * shards[i]``), laid end to end:
     ``sum(shards)`` elements. ``quantized[i]``: whether gradient i travels as int4 (else raw). Collective
-    over ``group`` (the world of ``world`` ranks), in two levels with a ``hierarchy``."""
+    over ``group`` (the world of ``world`` ranks), in two levels with a ``hierarchy``. The gradients are
+    read before this returns; the first all-to-all is then in flight, and ``wait()`` on the result
+    finishes the reduction (the second level's all-to-all runs there, synchronously)."""
     dtype = grads[0].dtype
     layout = records.Layout.of(tuple(shards), tuple(quantized), GRAD_FORMAT, GRAD_BLOCK, dtype)
     if hierarchy is None:
@@ -76,23 +90,36 @@ def reduce_scatter_quantized(grads: Sequence[torch.Tensor], shards: Sequence[int
     rows = send.view(world, layout.nbytes)
     records.pack(layout, list(rows), [_pieces(grads, shards, d) for d in order], dtype)
     recv = torch.empty_like(send)
-    block = sum(shards)
     if hierarchy is None:
-        comm.all_to_all_single(recv, send, group=group)
-        return _sum(layout, list(recv.view(world, layout.nbytes)), shards, dtype)
-    h = hierarchy
-    comm.all_to_all_single(recv, send, group=h.node_group)
+        work = comm.all_to_all_single(recv, send, group=group, async_op=True)
+
+        def finish():
+            work.wait()
+            return _sum(layout, list(recv.view(world, layout.nbytes)), shards, dtype)
+        return PendingReduce(finish)
+    work = comm.all_to_all_single(recv, send, group=hierarchy.node_group, async_op=True)
+
+    def second_level():
+        work.wait()
+        return _across_nodes(hierarchy, layout, recv, shards, quantized, dtype)
+    return PendingReduce(second_level)
+
+
+def _across_nodes(h: Hierarchy, layout: records.Layout, recv: torch.Tensor, shards, quantized, dtype) -> torch.Tensor:
+    """The second level: the node's partial sums for (n', this local index), quantized again, sent to
+    their nodes, added in node order."""
+    block = sum(shards)
     got = recv.view(h.size, h.nodes, layout.nbytes)  # [local peer i][node n'] for rank (n', my local index)
-    partial = torch.empty(h.nodes * block, dtype=torch.float32)
+    partial = torch.zeros(h.nodes * block, dtype=torch.float32)
     for n, out in enumerate(partial.view(h.nodes, block)):
-        _sum(layout, list(got[:, n]), shards, dtype, out=out.zero_())
+        _sum(layout, list(got[:, n]), shards, dtype, out=out)
     wide = records.Layout.of(tuple(shards), tuple(quantized), GRAD_FORMAT, GRAD_BLOCK, torch.float32)
-    send2 = torch.empty(h.nodes * wide.nbytes, dtype=torch.uint8)
-    rows2 = send2.view(h.nodes, wide.nbytes)
-    records.pack(wide, list(rows2), [_pieces(list(partial.view(h.nodes, block)[n].split(list(shards))), shards, 0,
-                                             whole=True) for n in range(h.nodes)], torch.float32)
-    recv2 = torch.empty_like(send2)
-    comm.all_to_all_single(recv2, send2, group=h.cross_group)
+    send = torch.empty(h.nodes * wide.nbytes, dtype=torch.uint8)
+    records.pack(wide, list(send.view(h.nodes, wide.nbytes)),
+                 [_pieces(list(p.split(list(shards))), shards, 0, whole=True) for p in partial.view(h.nodes, block)],
+                 torch.float32)
+    recv2 = torch.empty_like(send)
+    comm.all_to_all_single(recv2, send, group=h.cross_group)
     return _sum(wide, list(recv2.view(h.nodes, wide.nbytes)), shards, torch.float32)
 
 

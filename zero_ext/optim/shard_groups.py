@@ -14,7 +14,8 @@ Here:
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
   at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
   (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead
-  (two, intra-node then inter-node, where the world spans several nodes), synchronously.
+  (two, intra-node then inter-node, where the world spans several nodes): on CPU in flight as the plain
+  reductions (the second level runs when the bucket is completed), on CUDA synchronously.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
@@ -163,8 +164,12 @@ class ShardReducer(StreamingReducer):
         # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
         agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, device,
                            first_ds_id=members[0].ds_id)
-        if self.quantized and device.type == "cpu":
-            self._complete((None, self._reduce_quantized(members), members))
+        if self.quantized and device.type == "cpu":  # in flight with overlap_comm, as the plain path
+            entry = (self._reduce_quantized(members), None, members)
+            if self.overlap:
+                self.pending.append(entry)
+            else:
+                self._complete(entry)
             return
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
         buf = torch.zeros(self.world * block, dtype=self.dtype, device=device)
@@ -182,7 +187,7 @@ class ShardReducer(StreamingReducer):
                 for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
                     layout.append((at, zp.shard_numel, len(zp.shape) > 1))
                     at += zp.shard_numel
-                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world)
+                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world)  # (synchronous)
             elif buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
@@ -197,9 +202,9 @@ class ShardReducer(StreamingReducer):
         else:
             self._complete(entry)
 
-    def _reduce_quantized(self, members) -> torch.Tensor:
-        """qgZ on CPU: this rank's block as an fp32 sum, packed straight from the full gradients, which are
-        then freed (quantized_reduce.py; with ``hierarchy``, intra-node then inter-node)."""
+    def _reduce_quantized(self, members):
+        """qgZ on CPU: this rank's block as an fp32 sum (a PendingReduce), packed straight from the full
+        gradients, which are then freed (quantized_reduce.py; with ``hierarchy``, two levels)."""
         grads = [_full_grad(zp).to(self.dtype).contiguous() for zp in members]
         if self.avg.pre != 1.0:
             grads = [g * self.avg.pre for g in grads]
@@ -211,7 +216,9 @@ class ShardReducer(StreamingReducer):
     def _complete(self, entry) -> None:
         handle, block, members = entry
         if handle is not None:
-            handle.wait()
+            finished = handle.wait()
+            if block is None:  # qgZ: the wait gives the reduced block
+                block = finished
         post = self.avg.post if self.world > 1 else 1.0
         pos = 0
         for zp in members:
