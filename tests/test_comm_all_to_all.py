@@ -49,7 +49,8 @@ def test_even_chunks_match_the_reference(world):
     for rank, reply in enumerate(_spawn(world, _even, cid, plan)):
         assert reply[0] == "ok", reply
         for (chunk, inputs), out in zip(plan, reply[1]):
-            want = torch.cat([x[rank * chunk:(rank + 1) * chunk] for x in inputs]) if chunk else torch.empty(0, dtype=torch.uint8)
+            want = torch.cat([x[rank * chunk:(rank + 1) * chunk] for x in inputs]) if chunk else \
+                torch.empty(0, dtype=torch.uint8)
             assert torch.equal(out.tensor(), want), (rank, chunk)
     assert not _segments(cid)
 

@@ -210,8 +210,9 @@ class ShardReducer(StreamingReducer):
             grads = [g * self.avg.pre for g in grads]
         for zp in members:
             zp.param.grad = None
-        return reduce_scatter_quantized(grads, [zp.shard_numel for zp in members], [len(zp.shape) > 1 for zp in members],
-                                        self.pg, self.rank, self.world, self.hierarchy)
+        return reduce_scatter_quantized(grads, [zp.shard_numel for zp in members],
+                                        [len(zp.shape) > 1 for zp in members], self.pg, self.rank, self.world,
+                                        self.hierarchy)
 
     def _complete(self, entry) -> None:
         handle, block, members = entry

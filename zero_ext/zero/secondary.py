@@ -81,7 +81,8 @@ class SecondaryPartition:
         self.gathers += 1
         pieces = [self._pieces[id(zp)] for zp in bucket]
         views = [out.view(-1)[: self.size * p.numel()] for out, p in zip(outputs, pieces)]
-        return collectives.PendingGather(comm.all_gather_coalesced(views, pieces, group=self.group, async_op=True), None)
+        work = comm.all_gather_coalesced(views, pieces, group=self.group, async_op=True)
+        return collectives.PendingGather(work, None)
 
     def tensors(self) -> List[torch.Tensor]:
         """The secondary pieces held now (memory accounting)."""
