@@ -1,7 +1,7 @@
 """ZeRO++ on 4 CPU ranks as 2 "nodes" of 2: bytes crossing the node boundary per step and step time, for
 plain ZeRO-3, qwZ, qgZ, hpZ and all three, in the same run.
 
-    python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--rounds 3] [--layers 4] [--d 384]
+    python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--rounds 3] [--verbose] [--layers 4] [--d 384]
 
 The model is demo/model.py's GPT (byte vocabulary), fp32, AdamW, each configuration in a fresh set of
 spawned processes. Bytes are counted by the collective facade (zero_ext.comm.traffic: what each rank
@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print every round's step and CPU times")
     args = ap.parse_args()
     names = args.configs.split(",")
     loads = [os.getloadavg()[0]]
@@ -121,8 +122,13 @@ def main():
         return statistics.median(rd[name][key] / (rd[base_name][key] if ratio else 1) for rd in rounds)
     first = rounds[0]
     base = first[base_name]
+    load = " -> ".join(f"{x:.1f}" for x in loads)
     print(f"# {base['params'] / 1e6:.1f}M parameters, fp32, {WORLD} ranks as {WORLD // NODE} nodes of {NODE}; "
-          f"{args.steps} steps after {args.warmup}; {args.rounds} round(s); load {' -> '.join(f'{x:.1f}' for x in loads)}")
+          f"{args.steps} steps after {args.warmup}; {args.rounds} round(s); load {load}")
+    if args.verbose:
+        for k, rd in enumerate(rounds):
+            print(f"# round {k}: " + "  ".join(f"{name} {rd[name]['time']:.3f} s / {rd[name]['cpu']:.3f} CPU s"
+                                               for name in names))
     print(f"{'config':13} {'cross-node MB/step':>18} {'vs zero3':>9} {'step s':>8} {'vs zero3':>9} {'CPU s':>7} "
           f"{'vs zero3':>9}  cross-node MB by verb")
     for name in names:
