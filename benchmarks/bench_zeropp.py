@@ -1,7 +1,7 @@
 """ZeRO++ on 4 CPU ranks as 2 "nodes" of 2: bytes crossing the node boundary per step and step time, for
 plain ZeRO-3, qwZ, qgZ, hpZ, all three and MiCS (flat and two-level), in the same run.
 
-    python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--layers 4] [--d 384]
+    python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--rounds 3] [--verbose] [--layers 4] [--d 384]
 
 The model is demo/model.py's GPT (byte vocabulary), fp32, AdamW, each configuration in a fresh set of
 spawned processes. Bytes are counted by the collective facade (zero_ext.comm.traffic: what each rank
@@ -10,7 +10,11 @@ steps; the "by verb" column splits the cross-node bytes into all-gathers (parame
 (gradients: on CPU the plain stage-3 reduction is an all-reduce of which each rank keeps its block, which
 moves twice a reduce-scatter's bytes; qgZ's is an all-to-all) and the rest. Ratios are against plain
 ZeRO-3 measured in the same run. The ZeRO++ paper's headline is 4x less cross-node volume with all three.
-Step time is the median over the timed steps of the slower rank (from a barrier).
+Each rank sees LOCAL_WORLD_SIZE=2, so qgZ alone also runs in two levels (intra-node, then inter-node).
+Step time is the median over the timed steps of the slower rank (from a barrier); CPU is the CPU time of
+all four processes per step (their threads included: on a shared machine it moves less with the load
+than wall time does). With --rounds R every configuration runs R times, the configurations taking turns;
+the table gives medians over rounds, and the ratios are medians of each round's ratio.
 """
 import argparse
 import os
@@ -54,7 +58,7 @@ os.environ.setdefault("NDEV_PER_NODE", str(NODE))
 
 def worker(rank, name, args, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank % NODE), LOCAL_WORLD_SIZE=str(NODE))
     torch.set_num_threads(1)
     zero_ext.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -67,26 +71,30 @@ def worker(rank, name, args, port, queue):
                                     "stage3_max_reuse_distance": 0, **CONFIGS[name]}}
     engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     gen = torch.Generator().manual_seed(rank)
-    times = []
+    times, cpu = [], []
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             traffic.start(node_size=NODE)
         x = torch.randint(0, 256, (args.batch, args.block), generator=gen)
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = lm_loss(engine(x[:, :-1]), x[:, 1:])
         engine.backward(loss)
         engine.step()
         elapsed = torch.tensor([time.perf_counter() - start])
+        used = torch.tensor([time.process_time() - start_cpu])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # (torch.distributed itself: not counted)
+        dist.all_reduce(used)
         if step >= args.warmup:
             times.append(elapsed.item())
+            cpu.append(used.item())
     counted = traffic.snapshot()
     traffic.stop()
     rows = [None] * WORLD
     dist.all_gather_object(rows, counted)
     if rank == 0:
-        queue.put({"name": name, "params": count_params(model), "time": statistics.median(times), "rows": rows})
+        queue.put({"name": name, "params": count_params(model), "time": statistics.median(times),
+                   "cpu": statistics.median(cpu), "rows": rows})
     engine.destroy()
     dist.destroy_process_group()
 
@@ -100,9 +108,16 @@ def main():
     ap.add_argument("--block", type=int, default=65)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print every round's step and CPU times")
     args = ap.parse_args()
-    results = [spawn_ranks(worker, (name, args), WORLD, 1800, name)[0] for name in args.configs.split(",")]
-    base = next((r for r in results if r["name"] == "zero3"), results[0])
+    names = args.configs.split(",")
+    loads = [os.getloadavg()[0]]
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append({name: spawn_ranks(worker, (name, args), WORLD, 1800, name)[0] for name in names})
+        loads.append(os.getloadavg()[0])
+    base_name = "zero3" if "zero3" in names else names[0]
 
     def cross(r):
         return sum(row["cross_node"] for row in r["rows"]) / args.steps
@@ -113,13 +128,26 @@ def main():
             for verb, (_, c) in row["by_verb"].items():
                 out[verb] = out.get(verb, 0) + c / args.steps
         return out
+
+    def median(name, key, ratio=False):
+        return statistics.median(rd[name][key] / (rd[base_name][key] if ratio else 1) for rd in rounds)
+    first = rounds[0]
+    base = first[base_name]
+    load = " -> ".join(f"{x:.1f}" for x in loads)
     print(f"# {base['params'] / 1e6:.1f}M parameters, fp32, {WORLD} ranks as {WORLD // NODE} nodes of {NODE}; "
-          f"{args.steps} steps after {args.warmup}; load {os.getloadavg()[0]:.1f}")
-    print(f"{'config':13} {'cross-node MB/step':>18} {'vs zero3':>9} {'step s':>8} {'vs zero3':>9}  cross-node MB by verb")
-    for r in results:
+          f"{args.steps} steps after {args.warmup}; {args.rounds} round(s); load {load}")
+    if args.verbose:
+        for k, rd in enumerate(rounds):
+            print(f"# round {k}: " + "  ".join(f"{name} {rd[name]['time']:.3f} s / {rd[name]['cpu']:.3f} CPU s"
+                                               for name in names))
+    print(f"{'config':13} {'cross-node MB/step':>18} {'vs zero3':>9} {'step s':>8} {'vs zero3':>9} {'CPU s':>7} "
+          f"{'vs zero3':>9}  cross-node MB by verb")
+    for name in names:
+        r = first[name]
         by = " ".join(f"{v}={b / 1e6:.2f}" for v, b in sorted(verbs(r).items()) if b)
-        print(f"{r['name']:13} {cross(r) / 1e6:18.2f} {cross(base) / max(cross(r), 1):8.2f}x "
-              f"{r['time']:8.3f} {r['time'] / base['time']:8.2f}x  {by}")
+        print(f"{name:13} {cross(r) / 1e6:18.2f} {cross(base) / max(cross(r), 1):8.2f}x "
+              f"{median(name, 'time'):8.3f} {median(name, 'time', True):8.2f}x {median(name, 'cpu'):7.3f} "
+              f"{median(name, 'cpu', True):8.2f}x  {by}")
 
 
 if __name__ == "__main__":

@@ -382,3 +382,68 @@ int zx_comm_barrier(struct zx_comm *comm, struct zx_comm_op **opp)
 		return -ENOMEM;
 	return enqueue(comm, op, opp);
 }
+
+/* ---------------------------------------------------------------------------------------------------
+ * All-to-all: rank s's stream is its `in`, its chunks in destination order; rank d reads, from each
+ * stream, the chunk addressed to it. With counts NULL every chunk is `bytes`. */
+
+static int64_t a2a_count(const int64_t *counts, int64_t bytes, int world, int s, int d)
+{
+	return counts ? counts[(int64_t)s * world + d] : bytes;
+}
+
+static int all_to_all(struct zx_comm *comm, const void *in, void *out, const int64_t *counts, int64_t bytes,
+		      struct zx_comm_op **opp)
+{
+	int world = comm->world, me = comm->rank;
+	int64_t span = 0, sent = 0, got = 0;
+	for (int s = 0; s < world; s++) { /* every row's sum is a stream: each must fit an int64 */
+		int64_t row = 0;
+		for (int d = 0; d < world; d++) {
+			int64_t c = a2a_count(counts, bytes, world, s, d);
+			if (!bytes_ok(c, 1) || row > INT64_MAX - c)
+				return -EINVAL;
+			row += c;
+			if (d == me && got > INT64_MAX - c)
+				return -EINVAL;
+			got += d == me ? c : 0;
+		}
+		span = row > span ? row : span;
+		sent = s == me ? row : sent;
+	}
+	if ((sent && !in) || (got && !out))
+		return -EINVAL;
+	/* this rank's own chunk is copied from `in` while the others still read it from the slots */
+	if (sent && got && (const char *)in < (char *)out + got && (char *)out < (const char *)in + sent)
+		return -EINVAL;
+	struct zx_comm_op *op = op_new(counts ? "all_to_all_v" : "all_to_all", 1, world, 0);
+	if (!op)
+		return -ENOMEM;
+	op->span = span;
+	add_seg(op, in, sent);
+	int64_t at = 0;
+	for (int s = 0; s < world; s++) {
+		int64_t off = 0;
+		for (int d = 0; d < me; d++)
+			off += a2a_count(counts, bytes, world, s, d);
+		int64_t len = a2a_count(counts, bytes, world, s, me);
+		add_read(op, s, off, (char *)out + at, len);
+		at += len;
+	}
+	return enqueue(comm, op, opp);
+}
+
+int zx_comm_all_to_all(struct zx_comm *comm, const void *in, void *out, int64_t bytes, struct zx_comm_op **opp)
+{
+	if (!bytes_ok(bytes, comm->world))
+		return -EINVAL;
+	return all_to_all(comm, in, out, NULL, bytes, opp);
+}
+
+int zx_comm_all_to_all_v(struct zx_comm *comm, const void *in, void *out, const int64_t *counts,
+			 struct zx_comm_op **opp)
+{
+	if (!counts)
+		return -EINVAL;
+	return all_to_all(comm, in, out, counts, 0, opp);
+}

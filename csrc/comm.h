@@ -105,6 +105,17 @@ int zx_comm_scatter(struct zx_comm *comm, const void *in, void *out, int64_t byt
 
 int zx_comm_barrier(struct zx_comm *comm, struct zx_comm_op **op);
 
+/* Personalised exchange: `in` holds world chunks of `bytes`, chunk d for rank d; `out` (world * bytes)
+ * receives chunk s from rank s, rank-major. `in` and `out` must not overlap. */
+int zx_comm_all_to_all(struct zx_comm *comm, const void *in, void *out, int64_t bytes,
+		       struct zx_comm_op **op);
+
+/* The same with chunks of any size (0 included): counts (world * world, the same on every rank) holds
+ * counts[s * world + d] = the bytes rank s sends to rank d. Rank s's chunks lie end to end in its
+ * `in` in destination order; chunk s of `out` holds what rank s sent, end to end in source order. */
+int zx_comm_all_to_all_v(struct zx_comm *comm, const void *in, void *out, const int64_t *counts,
+			 struct zx_comm_op **op);
+
 /* --- handles ------------------------------------------------------------------------------------ */
 
 /* Blocks until the op ran; returns its status. May be called again (same status). */

@@ -10,9 +10,11 @@
 #include <float.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "convert.h"
+#include "dtype.h"
 #include "quant.h"
 #include "thread_pool.h"
 
@@ -367,4 +369,141 @@ int zx_dequantize(int format, const void *q, const float *scales, int64_t n, int
 			       .dst = dst, .scales = (float *)scales, .n = n, .block = block,
 			       .nblocks = nblocks, .accumulate = accumulate };
 	return run(&j, isa, 0);
+}
+
+/* ---------------------------------------------------------------------------------------------------
+ * Batches: every item's blocks cut into runs (tiles); threads take tiles from one counter. A tile of
+ * an accumulating group covers the same blocks of every item of the group, in item order. */
+
+struct batch {
+	const struct zx_quant_item *items;
+	int64_t ngroups, group, block, run;
+	int64_t *first_tile; /* ngroups + 1 prefix sums */
+	int accumulate, quantize;
+	const struct quant_paths *p;
+	atomic_llong next;
+};
+
+static int64_t item_blocks(const struct zx_quant_item *it, int64_t block)
+{
+	return it->n / block + (it->n % block != 0);
+}
+
+static void raw_span(const struct zx_quant_item *it, int64_t b, int64_t e, int quantize, int accumulate)
+{
+	int size = zx_dtype_size(it->dtype);
+	if (quantize || !accumulate) {
+		memcpy((char *)it->dst + b * size, (const char *)it->src + b * size, (size_t)((e - b) * size));
+		return;
+	}
+	float *dst = it->dst;
+	for (int64_t i = b; i < e; i++)
+		dst[i] += zx_load_f32(it->src, i, it->dtype);
+}
+
+static void batch_tile(const struct batch *bt, int64_t g, int64_t k0, int64_t k1)
+{
+	for (int64_t m = 0; m < bt->group; m++) {
+		const struct zx_quant_item *it = &bt->items[g * bt->group + m];
+		int64_t b = k0 * bt->block, e = k1 * bt->block < it->n ? k1 * bt->block : it->n;
+		if (it->format == ZX_QUANT_RAW) {
+			raw_span(it, b, e, bt->quantize, bt->accumulate);
+			continue;
+		}
+		struct quant_job j = { .format = it->format, .dtype = bt->accumulate ? ZX_F32 : it->dtype,
+				       .level = zx_quant_level(it->format), .accumulate = bt->accumulate,
+				       .src = it->src, .dst = it->dst, .scales = it->scales, .n = it->n,
+				       .block = bt->block };
+		if (bt->quantize)
+			j.dtype = it->dtype;
+		for (int64_t k = k0; k * bt->block < it->n && k < k1; k++) {
+			if (bt->quantize) {
+				quant_block(&j, bt->p, k);
+			} else {
+				int64_t kb = k * bt->block, ke = kb + bt->block < it->n ? kb + bt->block : it->n;
+				bt->p->dequant(&j, kb, ke, it->scales[k]);
+			}
+		}
+	}
+}
+
+static void batch_worker(void *arg, int tid, int nthreads)
+{
+	struct batch *bt = arg;
+	for (;;) {
+		int64_t t = (int64_t)atomic_fetch_add(&bt->next, 1);
+		if (t >= bt->first_tile[bt->ngroups])
+			return;
+		int64_t lo = 0, hi = bt->ngroups; /* the group holding tile t: first_tile[g] <= t < first_tile[g + 1] */
+		while (hi - lo > 1) {
+			int64_t mid = (lo + hi) / 2;
+			if (bt->first_tile[mid] <= t)
+				lo = mid;
+			else
+				hi = mid;
+		}
+		int64_t k0 = (t - bt->first_tile[lo]) * bt->run;
+		batch_tile(bt, lo, k0, k0 + bt->run);
+	}
+}
+
+static int batch_item_ok(const struct zx_quant_item *it, int64_t block, int quantize, int accumulate)
+{
+	if (it->n < 0 || !float_dtype(it->dtype) || (it->n > 0 && (!it->src || !it->dst)))
+		return 0;
+	if (it->format == ZX_QUANT_RAW)
+		return 1;
+	if (zx_quant_blocks(it->format, it->n, block) < 0 || (it->n > 0 && !it->scales))
+		return 0;
+	return quantize || !accumulate || it->dtype == ZX_F32;
+}
+
+static int run_batch(const struct zx_quant_item *items, int64_t nitems, int64_t group, int64_t block,
+		     int accumulate, int quantize, int isa)
+{
+	if (isa < 0)
+		isa = (int)zx_simd_level();
+	else if (isa > (int)zx_simd_supported())
+		return -EINVAL;
+	if (nitems < 0 || group < 1 || nitems % group || block < 1 || (nitems && !items))
+		return -EINVAL;
+	int64_t ngroups = nitems / group, total = 0;
+	for (int64_t i = 0; i < nitems; i++) {
+		const struct zx_quant_item *it = &items[i], *lead = &items[i - i % group];
+		if (!batch_item_ok(it, block, quantize, accumulate) ||
+		    (accumulate && (it->dst != lead->dst || it->n != lead->n)))
+			return -EINVAL;
+		total += it->n;
+	}
+	struct batch bt = { .items = items, .ngroups = ngroups, .group = group, .block = block,
+			    .run = block >= QUANT_RUN ? 1 : QUANT_RUN / block, .accumulate = accumulate,
+			    .quantize = quantize, .p = &paths[isa] };
+	bt.first_tile = malloc((size_t)(ngroups + 1) * sizeof(int64_t));
+	if (!bt.first_tile)
+		return -ENOMEM;
+	bt.first_tile[0] = 0;
+	for (int64_t g = 0; g < ngroups; g++) { /* a group's tiles span its items' blocks */
+		int64_t blocks = item_blocks(&items[g * group], block);
+		for (int64_t m = 1; m < group; m++) {
+			int64_t b = item_blocks(&items[g * group + m], block);
+			blocks = b > blocks ? b : blocks;
+		}
+		bt.first_tile[g + 1] = bt.first_tile[g] + (blocks + bt.run - 1) / bt.run;
+	}
+	atomic_init(&bt.next, 0);
+	int threads = total < QUANT_INLINE || bt.first_tile[ngroups] < 2 ? 1 : zx_pool_threads();
+	int rc = zx_pool_run(batch_worker, &bt, threads);
+	free(bt.first_tile);
+	return rc;
+}
+
+int zx_quantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t block, int isa)
+{
+	return run_batch(items, nitems, 1, block, 0, 1, isa);
+}
+
+int zx_dequantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t group, int64_t block,
+			int accumulate, int isa)
+{
+	return run_batch(items, nitems, group, block, accumulate, 0, isa);
 }

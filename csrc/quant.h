@@ -51,4 +51,28 @@ int zx_quantize(int format, int dtype, const void *src, int64_t n, int64_t block
 int zx_dequantize(int format, const void *q, const float *scales, int64_t n, int64_t block,
 		  int dtype, void *dst, int accumulate, int isa);
 
+/* --- batches: the pieces of a collective's record in one call ---------------------------------------
+ *
+ * An item is one buffer of n elements: format ZX_QUANT_INT8 / INT4 (src, dst and scales as
+ * zx_quantize / zx_dequantize take them), or ZX_QUANT_RAW: elements of `dtype` carried unquantized
+ * (copied by quantize; by dequantize copied, or added to an fp32 dst with accumulate). dtype is the
+ * floating side's: quantize's src, dequantize's dst (a raw item's src; with accumulate the dst is fp32).
+ * `group` consecutive items form a group (nitems a multiple of it); with accumulate the items of a
+ * group share dst and n and are added in item order, one rounding each, so a sum over ranks comes out
+ * the same whatever the threads. Work is cut into runs of whole blocks spread over the thread pool;
+ * the result is each item's zx_quantize / zx_dequantize. 0 or -EINVAL (nothing done). */
+#define ZX_QUANT_RAW 2
+
+struct zx_quant_item {
+	const void *src;
+	void *dst;
+	float *scales; /* NULL for a raw item */
+	int64_t n;
+	int32_t format, dtype;
+};
+
+int zx_quantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t block, int isa);
+int zx_dequantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t group, int64_t block,
+			int accumulate, int isa);
+
 #endif /* ZX_QUANT_H */

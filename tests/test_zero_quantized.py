@@ -27,6 +27,7 @@ LR = 1e-2
 QW = {"zero_quantized_weights": True}
 QG = {"zero_quantized_gradients": True}
 QN = {"zero_quantized_nontrainable_weights": True}
+HPZ = {"zero_hpz_partition_size": 2}
 OFFLOAD = {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
 # (dtype, world, gas, model, steps, zero options); qgZ cases at gas 1: the reference reproduces the
 # engine's gradient bit for bit only where no 1/gas scaling precedes the quantization
@@ -41,6 +42,9 @@ CASES = [
     ("fp32", 4, 1, "gpt", 10, {**QW, **QG, **OFFLOAD}),
     ("fp32", 2, 1, "mlp", 6, QN),  # MLP's first layer is frozen
     ("bf16", 4, 1, "mlp", 6, {**QN, **QW}),
+    # two levels (hpZ's nodes of 2): intra-node all-to-all, partial sums quantized again, inter-node
+    ("fp32", 4, 1, "gpt", 6, {**QG, **HPZ, "reduce_bucket_size": 300}),
+    ("bf16", 4, 1, "gpt", 6, {**QW, **QG, **HPZ}),
 ]
 
 
@@ -48,7 +52,7 @@ def _id(case):
     dtype, world, gas, model, steps, opts = case
     kinds = [k for k, on in (("qwZ", opts.get("zero_quantized_weights")), ("qgZ", opts.get("zero_quantized_gradients")),
                              ("frozen-int8", opts.get("zero_quantized_nontrainable_weights")),
-                             ("offload", "offload_param" in opts)) if on]
+                             ("offload", "offload_param" in opts), ("hpZ", "zero_hpz_partition_size" in opts)) if on]
     return f"{'+'.join(kinds)}-{dtype}-n{world}-gas{gas}-{model}-{steps}steps"
 
 
@@ -56,7 +60,7 @@ def _config(case, quantized=True):
     """The case's config; quantized=False: the same without ZeRO++."""
     dtype, world, gas, model, steps, opts = case
     if not quantized:
-        opts = {k: v for k, v in opts.items() if k not in QW and k not in QG and k not in QN}
+        opts = {k: v for k, v in opts.items() if k not in QW and k not in QG and k not in QN and k not in HPZ}
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas, "gradient_clipping": 0.0,
             "bf16": {"enabled": dtype == "bf16"},
             "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
@@ -130,7 +134,8 @@ def _reference(case, quantized=True):
                                 for n in trained})
             for n in trained:
                 if qg:  # the engine adds each rank's share, fp32, then scales by 1 / world
-                    total = reduced_gradient([g[n] for g in by_rank], world, quantized=named[n].dim() > 1)
+                    total = reduced_gradient([g[n] for g in by_rank], world, quantized=named[n].dim() > 1,
+                                             node=opts.get("zero_hpz_partition_size", 1))
                     grads[n].add_(total.view(grads[n].shape), alpha=1.0 / world)
                 else:
                     for g in by_rank:
@@ -244,3 +249,31 @@ def test_zeropp_below_stage_3_warns_that_it_does_nothing(key):
 
     with pytest.warns(Warning, match=key):
         load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, key: True}})
+
+
+def _all_to_all_bytes(zero):
+    import zero_ext
+    from zero_ext.comm import traffic
+
+    rank = torch.distributed.get_rank()
+    model = _new_model("gpt")
+    engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(),
+                                          config=_config(("fp32", 4, 1, "gpt", 1, zero)))
+    loss = engine.module.loss(MODELS["gpt"].batch(MICRO, torch.Generator().manual_seed(rank)))
+    traffic.start(node_size=2)
+    engine.backward(loss)
+    counted = traffic.snapshot()["by_verb"]["all_to_all"]
+    traffic.stop()
+    engine.destroy()
+    return counted
+
+
+def test_two_level_qgz_sends_half_the_cross_node_bytes_on_two_nodes_of_two():
+    """World 4 as two nodes of two (hpZ's nodes): only the second all-to-all crosses, one record of partial
+    sums per bucket instead of one per remote rank, so L = 2 times fewer cross-node bytes than one level
+    (same buckets, fp32 either way); the first all-to-all stays inside the node."""
+    flat = run_ranks(4, _all_to_all_bytes, QG)
+    two = run_ranks(4, _all_to_all_bytes, {**QG, **HPZ, "stage3_max_reuse_distance": 0})
+    for (flat_total, flat_cross), (two_total, two_cross) in zip(flat, two):
+        assert flat_cross > 0 and two_cross * 2 == flat_cross
+        assert two_total == flat_total  # (node: 1 share of 4 records; cross: 1 of 2 partial records)

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import comm
-from .accelerator import compute_device
+from .accelerator import compute_device, get_accelerator
 from .comm.collective_check import call_number, check_all_ranks_call
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
@@ -41,6 +41,7 @@ from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import scaler_from_config
 from .optim.muon import MuonWithAuxAdam, muon_param_groups
+from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
@@ -271,6 +272,14 @@ def _check_partition_group(zp, mics: Optional[MiCSGroups]) -> None:
                      "zero_optimization.mics_shard_size; build it under zero.Init, or give the engine the MiCS config")
 
 
+def _qgz_hierarchy(zc, world: int):
+    """ZeRO++ qgZ's two levels where the world spans several nodes: nodes of zero_hpz_partition_size
+    ranks when hpZ is on, else of the ranks per host (LOCAL_WORLD_SIZE on CPU, as DeepSpeed's
+    device_count); None for one level."""
+    size = zc.zero_hpz_partition_size if zc.zero_hpz_partition_size > 1 else get_accelerator().device_count()
+    return Hierarchy.build(size, world, comm.get_rank(), comm.new_group)
+
+
 # -- 2. the base optimizer ------------------------------------------------------------------------------------
 
 def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optional[torch.optim.Optimizer]:
@@ -324,9 +333,11 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
                                        on_group=on_group, process_group=pg)
         averaging = _averaging(cfg, everyone, groups[0].dtype)
+        # qgZ in two levels across nodes; inside a MiCS shard group in one (the group is the partition)
+        hierarchy = _qgz_hierarchy(zc, world) if zc.zero_quantized_gradients and mics is None else None
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm, averaging, rank, world,
                                zc.ignore_unused_parameters, process_group=pg, quantized=zc.zero_quantized_gradients,
-                               replicas=replicas)
+                               replicas=replicas, hierarchy=hierarchy)
         after_step.append(zero_model.refresh_persistent)
         after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:

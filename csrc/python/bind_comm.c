@@ -284,6 +284,43 @@ static PyObject *comm_all_gather_v(PyObject *obj, PyObject *args)
 	return result;
 }
 
+static PyObject *comm_all_to_all(PyObject *obj, PyObject *args)
+{
+	unsigned long long in, out;
+	long long bytes;
+	struct zx_comm *comm = comm_live((comm_object *)obj);
+	if (!comm || !PyArg_ParseTuple(args, "KKL:all_to_all", &in, &out, &bytes))
+		return NULL;
+	struct zx_comm_op *op;
+	int rc = zx_comm_all_to_all(comm, PTR(in), PTR(out), bytes, &op);
+	return op_wrap((comm_object *)obj, rc, op, "all_to_all");
+}
+
+static PyObject *comm_all_to_all_v(PyObject *obj, PyObject *args)
+{
+	unsigned long long in, out;
+	PyObject *counts;
+	comm_object *self = (comm_object *)obj;
+	struct zx_comm *comm = comm_live(self);
+	if (!comm || !PyArg_ParseTuple(args, "KKO:all_to_all_v", &in, &out, &counts))
+		return NULL;
+	Py_ssize_t n = 0;
+	int64_t *v = zx_int64_array(counts, &n, "counts");
+	if (!v)
+		return NULL;
+	PyObject *result = NULL;
+	int world = zx_comm_world(comm);
+	if (n != (Py_ssize_t)world * world) {
+		PyErr_Format(PyExc_ValueError, "all_to_all_v: %zd counts for %d x %d ranks", n, world, world);
+	} else {
+		struct zx_comm_op *op;
+		int rc = zx_comm_all_to_all_v(comm, PTR(in), PTR(out), v, &op);
+		result = op_wrap(self, rc, op, "all_to_all_v");
+	}
+	PyMem_Free(v);
+	return result;
+}
+
 /* reduce_scatter / all_reduce / reduce(in, out, count, dtype, redop, scale[, root]) */
 static PyObject *comm_reduction(PyObject *obj, PyObject *args, int verb)
 {
@@ -365,6 +402,10 @@ static PyMethodDef comm_methods[] = {
 	{ "all_gather_group", comm_all_gather_group, METH_VARARGS,
 	  "all_gather_group(ins, outs, nbytes) -> CommOp: lists of addresses and byte counts" },
 	{ "all_gather_v", comm_all_gather_v, METH_VARARGS, "all_gather_v(in, out, counts) -> CommOp (bytes)" },
+	{ "all_to_all", comm_all_to_all, METH_VARARGS,
+	  "all_to_all(in, out, nbytes) -> CommOp: chunk d of in (nbytes each) to rank d" },
+	{ "all_to_all_v", comm_all_to_all_v, METH_VARARGS,
+	  "all_to_all_v(in, out, counts) -> CommOp: counts[s * world + d] bytes from rank s to rank d" },
 	{ "reduce_scatter", comm_reduce_scatter, METH_VARARGS,
 	  "reduce_scatter(in, out, count, dtype, redop, scale) -> CommOp" },
 	{ "all_reduce", comm_all_reduce, METH_VARARGS, "all_reduce(in, out, count, dtype, redop, scale) -> CommOp" },

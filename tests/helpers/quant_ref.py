@@ -42,20 +42,42 @@ def gathered_weight(w, world, format="int8", block=2048):
     return torch.cat(pieces)[: flat.numel()].view(w.shape)
 
 
-def reduced_gradient(grads, world, quantized, format="int4", block=512):
+def reduced_gradient(grads, world, quantized, format="int4", block=512, node=1):
     """What a quantized reduce-scatter (ZeRO++ qgZ) leaves in the pieces of one parameter, as one flat fp32
     tensor of its numel: for every rank in rank order, each of its pieces of the full gradient ``grads[r]``
-    quantized on its own (``quantized``; else exact) and added in fp32. Not yet divided by the world."""
+    quantized on its own (``quantized``; else exact) and added in fp32. Not yet divided by the world.
+    ``node`` > 1 (a divisor of world, below it): two levels, as DeepSpeed's all_to_all_quant_reduce: each
+    node's ranks' pieces added in local order (fp32), that partial sum quantized again (fp32 input), and
+    the nodes' partials added in node order."""
     numel = grads[0].numel()
     shard = -(-numel // world)
+
+    def wire(piece):
+        if not quantized:
+            return piece.float()
+        q, scales = reference(piece, format, block)
+        return q.float() * scales.repeat_interleave(block)[: q.numel()]
+
+    def padded(g):
+        out = torch.zeros(world * shard, dtype=g.dtype)
+        out[:numel] = g.flatten()
+        return out
+
+    levels = [list(range(world))] if node <= 1 or node >= world else \
+        [list(range(start, start + node)) for start in range(0, world, node)]
     total = torch.zeros(world * shard)
-    for g in grads:
-        padded = torch.zeros(world * shard, dtype=g.dtype)
-        padded[:numel] = g.flatten()
-        for d in range(world):
-            piece = padded[d * shard:(d + 1) * shard]
-            if quantized:
-                q, scales = reference(piece, format, block)
-                piece = q.float() * scales.repeat_interleave(block)[: q.numel()]
-            total[d * shard:(d + 1) * shard] += piece
+    for d in range(world):
+        partials = []
+        for ranks in levels:
+            acc = torch.zeros(shard)
+            for r in ranks:
+                acc += wire(padded(grads[r])[d * shard:(d + 1) * shard])
+            partials.append(acc)
+        if len(partials) == 1:
+            total[d * shard:(d + 1) * shard] = partials[0]
+        else:
+            acc = torch.zeros(shard)
+            for p in partials:
+                acc += wire(p)
+            total[d * shard:(d + 1) * shard] = acc
     return total[:numel]

@@ -7,8 +7,8 @@ this host go through the native shared-memory communicator (native.py, csrc/comm
 tensors of one device through zero_ext's NCCL communicator (nccl.py, csrc/comm_nccl.c; unverified on
 a GPU) where the CUDA library was built; everything else (ranks on several hosts with CPU tensors,
 ``ZERO_EXT_COMM=torch``, reductions or dtypes a transport lacks, the verbs the NCCL transport does not
-carry: reduce, scatter and the list forms) through torch.distributed's backends (gloo, NCCL). Object
-collectives, point-to-point and all_to_all stay torch.distributed's.
+carry: reduce, scatter, all_to_all_single and the list forms) through torch.distributed's backends
+(gloo, NCCL). Object collectives and point-to-point stay torch.distributed's.
 """
 import types
 
@@ -36,7 +36,12 @@ all_gather_object = tracked_objects(dist.all_gather_object)
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op=False):
+    """Chunk d of ``input`` (dim 0, split evenly or by ``input_split_sizes``) to rank d; rank s's chunk
+    into chunk s of ``output``. Natively one op (uneven splits: after a small all-gather of the sizes)."""
     traffic.count("all_to_all", "scatter", group, _nbytes(input))
+    native = _route_cpu(group, output, input)
+    if native is not None:
+        return native.all_to_all_single(output, input, output_split_sizes, input_split_sizes, async_op)
     return _all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 

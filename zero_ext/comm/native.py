@@ -14,6 +14,7 @@ stay referenced by the op until it ran. Non-contiguous tensors go through contig
 """
 import atexit
 import logging
+import math
 import os
 import socket
 import threading
@@ -108,6 +109,20 @@ def _flat_run(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
                                    (first.numel() * len(tensors),))
 
 
+def _splits(sizes, t: torch.Tensor, world: int, what: str) -> List[int]:
+    """Rows per rank of ``t``: the given split sizes, or an even split of dim 0."""
+    rows = t.shape[0] if t.dim() else 1
+    if sizes is None:
+        if rows % world:
+            raise ValueError(f"all_to_all_single: {rows} {what} rows do not split evenly over {world} ranks")
+        return [rows // world] * world
+    sizes = [int(n) for n in sizes]
+    if len(sizes) != world or sum(sizes) != rows or min(sizes) < 0:
+        raise ValueError(f"all_to_all_single: {what}_split_sizes {sizes} must be {world} counts adding up to "
+                         f"the {rows} rows of the {what}")
+    return sizes
+
+
 class Native:
     """The communicator of one process group, with torch.distributed's verbs on CPU tensors."""
 
@@ -165,6 +180,39 @@ class Native:
         src = inp if inp.is_contiguous() else inp.contiguous()
         op = self.comm.all_gather_v(src.data_ptr(), output.data_ptr(), [c * size for c in counts])
         return self._run(op, (output, src), None, async_op)
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None,
+                          input_split_sizes=None, async_op=False):
+        """torch.distributed.all_to_all_single: chunk d of ``inp`` (rows, split by input_split_sizes or
+        evenly) to rank d, rank s's chunk into chunk s of ``output``. Uneven splits first all-gather
+        every rank's input splits (the op needs the whole matrix of sizes), then run as one op."""
+        if output.dtype != inp.dtype:
+            raise ValueError(f"all_to_all_single: output is {output.dtype}, input {inp.dtype}")
+        row = math.prod(inp.shape[1:]) * inp.element_size()  # bytes of one row of dim 0
+        out, back = _contiguous(output)
+        src = inp if inp.is_contiguous() else inp.contiguous()
+        nbytes = src.numel() * src.element_size()
+        if output_split_sizes is None and input_split_sizes is None:
+            if nbytes % self.world or out.numel() != src.numel():
+                raise ValueError(f"all_to_all_single: {src.numel()} input and {out.numel()} output elements "
+                                 f"do not split evenly over {self.world} ranks")
+            op = self.comm.all_to_all(src.data_ptr(), out.data_ptr(), nbytes // self.world)
+            return self._run(op, (out, src, output), back, async_op)
+        if math.prod(output.shape[1:]) != math.prod(inp.shape[1:]):
+            raise ValueError(f"all_to_all_single: output rows {tuple(output.shape[1:])} differ from input rows "
+                             f"{tuple(inp.shape[1:])}")
+        sent = _splits(input_split_sizes, inp, self.world, "input")
+        got = _splits(output_split_sizes, output, self.world, "output")
+        mine = torch.tensor(sent, dtype=torch.int64)
+        rows = torch.empty(self.world * self.world, dtype=torch.int64)
+        self._run(self.comm.all_gather(mine.data_ptr(), rows.data_ptr(), mine.numel() * 8), (mine, rows), None, False)
+        matrix = rows.tolist()
+        received = matrix[self.rank::self.world]
+        if received != got:
+            raise ValueError(f"all_to_all_single: rank {self.rank} expects {got} rows from the ranks, they send "
+                             f"{received}")
+        op = self.comm.all_to_all_v(src.data_ptr(), out.data_ptr(), [n * row for n in matrix])
+        return self._run(op, (out, src, output), back, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op=False):
         buf, back = _contiguous(tensor)

@@ -14,6 +14,8 @@ Files:
 - functional.py: the C kernels as functions on lists of tensors; the thread and ISA controls.
 - device_math.py: the same updates with torch operations, for sub-groups kept on an accelerator.
 - quantize.py: block quantization (int8 / int4 with fp32 scales), ZeRO++'s wire formats, in C.
+- records.py: a quantized collective's records (pieces quantized or raw, then scales), packed and unpacked
+  in one C call each (qwZ, qgZ).
 - torch_stepped.py: TorchStepped, torch_adam's torch.optim.Adam(W) behind this interface (NVMe offload).
 """
 from .adagrad import CPUAdagrad, DeepSpeedCPUAdagrad

@@ -5,7 +5,7 @@ Files:
   steps and re-gathers.
 - flat_group.py: FlatGroup, one param group flattened (stages 0-2).
 - shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
-  quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all.
+  quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all (two levels across nodes).
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
 - step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing
   something else raises, named, on every rank).

@@ -1,27 +1,154 @@
-"""ZeRO++ qgZ: stage 3's gradient reduce-scatter, sent block-quantized through one all-to-all.
+"""ZeRO++ qgZ: stage 3's gradient reduce-scatter, sent block-quantized through all-to-alls.
 
 [Note: quantized reduce-scatter]
-A bucket of full gradients is laid out rank-major (block r holds piece r of every parameter, as for the
-plain reduce-scatter). Each rank quantizes its block r for every r (``zero_ext.ops.quantize``: int4,
-``GRAD_BLOCK`` elements per fp32 scale), each piece on its own from its start, into record r; one
-all-to-all sends record r to rank r; each rank then dequantizes the ``world`` records it received into
-an fp32 sum, rank by rank in rank order, one rounding each (``accumulate``), and that sum is its reduced
-block. One-dimensional parameters (biases, norms: few bytes, and sensitive) travel unquantized in the
-same record, as DeepSpeed keeps them out of qgZ. The wire carries half a byte per element plus 4 bytes
-per block instead of 2 (bf16) or 4 (fp32); the error per element and rank is the int4 bound of
-docs/precision.md. Pieces are quantized one by one, so a parameter's reduced gradient does not depend on
-which others shared its bucket.
+A bucket's full gradients are cut as for the plain reduce-scatter: piece d of every parameter (its
+``shard`` elements from ``d * shard``, zero-padded) belongs to rank d. A rank's record for destination
+d holds piece d of every parameter, each quantized on its own from its start (int4, ``GRAD_BLOCK``
+elements per fp32 scale; ops/records.py), 1-D parameters (biases, norms: few bytes, and sensitive) raw,
+as DeepSpeed keeps them out of qgZ. Pieces are quantized one by one, so a parameter's reduced gradient
+does not depend on which others shared its bucket. Records are packed straight from the gradients and
+unpacked into the fp32 sum in one C call each.
+
+- One level (a world of one node): one all-to-all sends record d to rank d; each rank adds the
+  ``world`` records it received into an fp32 sum, rank by rank in rank order, one rounding each.
+- Two levels (``Hierarchy``: the world cut into nodes of L consecutive ranks, M nodes), as DeepSpeed's
+  all_to_all_quant_reduce: rank (n, l) = n L + l first sends, over its node, to each local peer j the M
+  records of the ranks (n', j); it adds the L records it got for each (n', l) in local order (the
+  node's partial sum, fp32), quantizes the M partial sums again (int4; raw pieces now fp32), and sends
+  partial n' to rank (n', l) over the ranks sharing its local index; the M partials are added in node
+  order. Only that second all-to-all crosses nodes: M - 1 records of a 1/world piece each, L times less
+  than the one-level all-to-all sends across. The error per element is the int4 bound of
+  docs/precision.md per rank on the first level, plus that of the partial sums' quantization.
+
+The wire carries half a byte per element plus 4 bytes per block instead of 2 (bf16) or 4 (fp32).
 """
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from .. import comm
+from ..ops import records
 from ..ops.quantize import QuantizedTensor, dequantize, quant_sizes, quantize
 
 GRAD_FORMAT = "int4"
 GRAD_BLOCK = 512  # elements per scale: int4 keeps 3 bits of magnitude, so blocks stay small
 
+
+class Hierarchy:
+    """qgZ's two levels: this rank's node group (L consecutive ranks) and its cross group (the ranks with
+    its local index in every node)."""
+
+    def __init__(self, node_group, cross_group, node_size: int, rank: int, world: int):
+        self.node_group, self.cross_group, self.size = node_group, cross_group, node_size
+        self.nodes, self.node, self.local = world // node_size, rank // node_size, rank % node_size
+
+    @staticmethod
+    def build(node_size: int, world: int, rank: int, new_group) -> Optional["Hierarchy"]:
+        """The groups for nodes of ``node_size`` ranks (every rank creates every group, as torch.distributed
+        requires), or None where one level is all there is (one node, or nodes of one rank)."""
+        if node_size <= 1 or node_size >= world or world % node_size:
+            return None
+        node = cross = None
+        for start in range(0, world, node_size):
+            group = new_group(list(range(start, start + node_size)))
+            if start <= rank < start + node_size:
+                node = group
+        for local in range(node_size):
+            group = new_group(list(range(local, world, node_size)))
+            if rank % node_size == local:
+                cross = group
+        return Hierarchy(node, cross, node_size, rank, world)
+
+
+class PendingReduce:
+    """A quantized reduce-scatter in flight: ``wait()`` finishes it (once) and gives the fp32 block."""
+
+    def __init__(self, finish):
+        self._finish, self._result = finish, None
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
+
+
+def reduce_scatter_quantized(grads: Sequence[torch.Tensor], shards: Sequence[int], quantized: Sequence[bool], group,
+                             rank: int, world: int, hierarchy: Optional[Hierarchy] = None) -> PendingReduce:
+    """The fp32 sum over ranks of this rank's piece of every gradient in ``grads`` (full, flat, contiguous,
+    one dtype; piece r of gradient i is ``shards[i]`` elements from ``r * shards[i]``), laid end to end:
+    ``sum(shards)`` elements. ``quantized[i]``: whether gradient i travels as int4 (else raw). Collective
+    over ``group`` (the world of ``world`` ranks), in two levels with a ``hierarchy``. The gradients are
+    read before this returns; the first all-to-all is then in flight, and ``wait()`` on the result
+    finishes the reduction (the second level's all-to-all runs there, synchronously)."""
+    dtype = grads[0].dtype
+    layout = records.Layout.of(tuple(shards), tuple(quantized), GRAD_FORMAT, GRAD_BLOCK, dtype)
+    if hierarchy is None:
+        order = list(range(world))
+    else:  # by destination local index, then node: chunk j of the node all-to-all goes to local peer j
+        order = [n * hierarchy.size + j for j in range(hierarchy.size) for n in range(hierarchy.nodes)]
+    send = torch.zeros(world * layout.nbytes, dtype=torch.uint8)  # zeros: the padding past a gradient's end
+    rows = send.view(world, layout.nbytes)
+    records.pack(layout, list(rows), [_pieces(grads, shards, d) for d in order], dtype)
+    recv = torch.empty_like(send)
+    if hierarchy is None:
+        work = comm.all_to_all_single(recv, send, group=group, async_op=True)
+
+        def finish():
+            work.wait()
+            return _sum(layout, list(recv.view(world, layout.nbytes)), shards, dtype)
+        return PendingReduce(finish)
+    work = comm.all_to_all_single(recv, send, group=hierarchy.node_group, async_op=True)
+
+    def second_level():
+        work.wait()
+        return _across_nodes(hierarchy, layout, recv, shards, quantized, dtype)
+    return PendingReduce(second_level)
+
+
+def _across_nodes(h: Hierarchy, layout: records.Layout, recv: torch.Tensor, shards, quantized, dtype) -> torch.Tensor:
+    """The second level: the node's partial sums for (n', this local index), quantized again, sent to
+    their nodes, added in node order."""
+    block = sum(shards)
+    got = recv.view(h.size, h.nodes, layout.nbytes)  # [local peer i][node n'] for rank (n', my local index)
+    partial = torch.zeros(h.nodes * block, dtype=torch.float32)
+    for n, out in enumerate(partial.view(h.nodes, block)):
+        _sum(layout, list(got[:, n]), shards, dtype, out=out)
+    wide = records.Layout.of(tuple(shards), tuple(quantized), GRAD_FORMAT, GRAD_BLOCK, torch.float32)
+    send = torch.empty(h.nodes * wide.nbytes, dtype=torch.uint8)
+    records.pack(wide, list(send.view(h.nodes, wide.nbytes)),
+                 [_pieces(list(p.split(list(shards))), shards, 0, whole=True) for p in partial.view(h.nodes, block)],
+                 torch.float32)
+    recv2 = torch.empty_like(send)
+    comm.all_to_all_single(recv2, send, group=h.cross_group)
+    return _sum(wide, list(recv2.view(h.nodes, wide.nbytes)), shards, torch.float32)
+
+
+def _pieces(grads: Sequence[torch.Tensor], shards: Sequence[int], d: int, whole: bool = False) -> List[Tuple[int, int]]:
+    """(address, real elements) of piece ``d`` of each gradient (``whole``: each tensor is the piece)."""
+    out = []
+    for g, shard in zip(grads, shards):
+        if whole:
+            out.append((g.data_ptr(), g.numel()))
+            continue
+        valid = max(0, min(shard, g.numel() - d * shard))
+        out.append((g.data_ptr() + d * shard * g.element_size() if valid else 0, valid))
+    return out
+
+
+def _sum(layout: records.Layout, rows: List[torch.Tensor], shards: Sequence[int], dtype, out=None) -> torch.Tensor:
+    """The records' pieces added into one fp32 run of ``sum(shards)`` elements (``out``, zeros, or a new
+    one), record by record in order."""
+    total = torch.zeros(sum(shards), dtype=torch.float32) if out is None else out
+    targets, at = [], total.data_ptr()
+    for shard in shards:
+        targets.append(at)
+        at += 4 * shard
+    records.unpack(layout, rows, [targets], dtype, accumulate=True)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Devices the C batches do not reach (CUDA)
 
 def record_layout(pieces: Sequence[Tuple[int, bool]], dtype: torch.dtype) -> Tuple[int, List[tuple]]:
     """(record bytes, per piece (data offset, data bytes, scale index, scales)) for pieces given as
@@ -42,11 +169,12 @@ def record_layout(pieces: Sequence[Tuple[int, bool]], dtype: torch.dtype) -> Tup
     return scales_at + 4 * nscales, [(d, nb, scales_at // 4 + s, ns) for d, nb, s, ns in spans]
 
 
-def reduce_scatter_quantized(buf: torch.Tensor, block: int, pieces: Sequence[Tuple[int, int, bool]], group,
+def reduce_scatter_per_piece(buf: torch.Tensor, block: int, pieces: Sequence[Tuple[int, int, bool]], group,
                              rank: int, world: int) -> torch.Tensor:
-    """The fp32 sum over ranks of block ``rank`` of ``buf`` (``world * block`` elements, rank-major), the
-    blocks sent quantized (see [Note: quantized reduce-scatter]). ``pieces``: (offset in a block,
-    elements, quantized) of each piece, the same on every rank. Collective over ``group``."""
+    """qgZ on a device (CUDA) where the C batches do not run: one level, one (de)quantize call per piece
+    and rank. The fp32 sum over ranks of block ``rank`` of ``buf`` (``world * block`` elements,
+    rank-major). ``pieces``: (offset in a block, elements, quantized) of each piece, the same on every
+    rank. Collective over ``group``."""
     record, spans = record_layout([(n, q) for _, n, q in pieces], buf.dtype)
     send = torch.empty(world * record, dtype=torch.uint8, device=buf.device)
     for r, (row, src) in enumerate(zip(send.view(world, record), buf.view(world, block))):

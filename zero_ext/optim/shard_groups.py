@@ -13,8 +13,10 @@ Here:
   all-reduce of which each rank keeps its block (gloo's reduce-scatter is slower, or missing in older
   torch). The full gradient is freed at once. With ``overlap_comm`` the reductions are asynchronous,
   at most two in flight, and finished at the end of backward. With ZeRO++ qgZ
-  (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead,
-  synchronously. With MiCS (zero/mics.py) all of this runs inside the shard group, and each reduced
+  (``zero_quantized_gradients``) a bucket goes through quantized_reduce.py's int4 all-to-all instead
+  (two, intra-node then inter-node, where the world spans several nodes): on CPU in flight as the plain
+  reductions (the second level runs when the bucket is completed), on CUDA synchronously. With MiCS
+  (zero/mics.py) all of this runs inside the shard group (qgZ in one level there), and each reduced
   block is then all-reduced over the replica group (the ranks holding the same pieces) before it is
   added: the sum over every rank, averaged over every rank as without MiCS.
 After the step the pieces hold the new values: nothing is all-gathered; modules gather what they need
@@ -28,7 +30,7 @@ import torch
 from .. import comm
 from .._native import cuda, planner
 from .grad_reduce import Averaging, StreamingReducer, accumulate
-from .quantized_reduce import reduce_scatter_quantized
+from .quantized_reduce import reduce_scatter_per_piece, reduce_scatter_quantized
 from .step_check import agree_on_reduction
 from .._native.planner import Piece
 
@@ -111,10 +113,11 @@ class ShardReducer(StreamingReducer):
 
     def __init__(self, groups: List[ShardGroup], zero_model, bucket_size: int, overlap: bool, averaging: Averaging,
                  rank: int, world: int, ignore_unused: bool, process_group=None, quantized: bool = False,
-                 replicas=None):
+                 replicas=None, hierarchy=None):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
         self.replicas = replicas  # MiCS: the group of ranks holding the same pieces (zero/mics.py), or None
-        self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py)
+        self.quantized = quantized  # ZeRO++ qgZ (quantized_reduce.py), in two levels with a Hierarchy
+        self.hierarchy = hierarchy
         self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
         self.bucket_size = max(1, bucket_size)
         self.dtype = averaging.comm_dtype
@@ -165,8 +168,21 @@ class ShardReducer(StreamingReducer):
         while len(self.pending) >= self.MAX_IN_FLIGHT:
             self._complete(self.pending[0])
         numels = [zp.numel for zp in members]
+        device = members[0].shard.device
+        self.verify_fetch_order()
+        # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
+        # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
+        agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, device,
+                           first_ds_id=members[0].ds_id)
+        if self.quantized and self.world > 1 and device.type == "cpu":  # in flight with overlap_comm
+            entry = (self._reduce_quantized(members), None, members)
+            if self.overlap:
+                self.pending.append(entry)
+            else:
+                self._complete(entry)
+            return
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
-        buf = torch.zeros(self.world * block, dtype=self.dtype, device=members[0].shard.device)
+        buf = torch.zeros(self.world * block, dtype=self.dtype, device=device)
         grads = [_full_grad(zp) for zp in members]
         for p in pieces:
             buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
@@ -176,17 +192,12 @@ class ShardReducer(StreamingReducer):
         if self.avg.pre != 1.0 and self.reduces:
             buf.mul_(self.avg.pre)
         if self.world > 1:
-            self.verify_fetch_order()
-            # a module skipped on some ranks (persistent parameters need no gather, so no fetch-order
-            # check saw it) leaves them other buckets: every rank confirms this one (step_check.py)
-            agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, buf.device,
-                               first_ds_id=members[0].ds_id)
-            if self.quantized:  # one all-to-all, synchronous; the block comes back as an fp32 sum
+            if self.quantized:  # (CUDA) one all-to-all, piece by piece, synchronous: an fp32 sum back
                 layout, at = [], 0
                 for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
                     layout.append((at, zp.shard_numel, len(zp.shape) > 1))
                     at += zp.shard_numel
-                buf = reduce_scatter_quantized(buf, block, layout, self.pg, self.rank, self.world)
+                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world)  # (synchronous)
             elif buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
@@ -201,10 +212,24 @@ class ShardReducer(StreamingReducer):
         else:
             self._complete(entry)
 
+    def _reduce_quantized(self, members):
+        """qgZ on CPU: this rank's block as an fp32 sum (a PendingReduce), packed straight from the full
+        gradients, which are then freed (quantized_reduce.py; with ``hierarchy``, two levels)."""
+        grads = [_full_grad(zp).to(self.dtype).contiguous() for zp in members]
+        if self.avg.pre != 1.0:
+            grads = [g * self.avg.pre for g in grads]
+        for zp in members:
+            zp.param.grad = None
+        return reduce_scatter_quantized(grads, [zp.shard_numel for zp in members],
+                                        [len(zp.shape) > 1 for zp in members], self.pg, self.rank, self.world,
+                                        self.hierarchy)
+
     def _complete(self, entry) -> None:
         handle, block, members = entry
         if handle is not None:
-            handle.wait()
+            finished = handle.wait()
+            if block is None:  # qgZ: the wait gives the reduced block
+                block = finished
         if self.replicas is not None:  # MiCS: the shard group's sum, summed over the replicas
             comm.all_reduce(block, group=self.replicas)
         post = self.avg.post if self.reduces else 1.0

@@ -16,6 +16,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 from .. import comm
+from ..ops import records
 from ..ops.quantize import QuantizedTensor, dequantize, quant_sizes, quantize
 
 WEIGHT_FORMAT = "int8"
@@ -40,10 +41,25 @@ def all_gather_quantized_async(pieces: Sequence[torch.Tensor], outputs: Sequence
                                rank: int, world: int, wrap):
     """The quantized form of ``collectives.all_gather_pieces_async`` (world > 1): ``outputs[i]`` (each
     ``world * shard`` elements, rank-major) receive every rank's piece i as dequantized; ``wrap(work,
-    finish)`` makes the caller's pending-gather object."""
+    finish)`` makes the caller's pending-gather object. On CPU the pieces are quantized in one C call and
+    the world records dequantized into the outputs in another (ops/records.py)."""
     shards = [out.numel() // world for out in outputs]
-    record, spans = record_layout(shards)
     device = outputs[0].device
+    if device.type == "cpu" and _uniform(pieces, outputs, shards):
+        layout = records.Layout.of(tuple(shards), (True,) * len(shards), WEIGHT_FORMAT, WEIGHT_BLOCK,
+                                   torch.float32)
+        rows = torch.empty(world * layout.nbytes, dtype=torch.uint8)
+        by_rank = rows.view(world, layout.nbytes)
+        srcs = [p if p.device.type == "cpu" and p.is_contiguous() else p.to("cpu").contiguous() for p in pieces]
+        records.pack(layout, [by_rank[rank]], [[(p.data_ptr(), p.numel()) for p in srcs]], srcs[0].dtype)
+        work = comm.all_gather_into(rows, by_rank[rank], group, async_op=True)
+        size = outputs[0].element_size()
+
+        def dequantize_rows():  # every rank's record into its part of every output, one C call
+            targets = [[out.data_ptr() + r * shard * size for out, shard in zip(outputs, shards)] for r in range(world)]
+            records.unpack(layout, list(by_rank), targets, outputs[0].dtype)
+        return wrap(work, dequantize_rows)
+    record, spans = record_layout(shards)
     rows = torch.empty(world * record, dtype=torch.uint8, device=device)
     own = rows.view(world, record)[rank]
     for piece, shard, span in zip(pieces, shards, spans):
@@ -55,6 +71,15 @@ def all_gather_quantized_async(pieces: Sequence[torch.Tensor], outputs: Sequence
             for out, shard, span in zip(outputs, shards, spans):
                 dequantize(_quantized(row, shard, span, out.dtype), out=out.view(world, shard)[r])
     return wrap(work, dequantize_all)
+
+
+def _uniform(pieces, outputs, shards) -> bool:
+    """The batched path's conditions: one kernel dtype among the pieces and one among the (contiguous)
+    outputs, each piece a whole shard."""
+    kinds = (torch.float32, torch.bfloat16, torch.float16)
+    return (len({p.dtype for p in pieces}) == 1 and pieces[0].dtype in kinds and len({o.dtype for o in outputs}) == 1
+            and outputs[0].dtype in kinds and all(o.is_contiguous() for o in outputs)
+            and all(p.numel() == s for p, s in zip(pieces, shards)))
 
 
 def _quantized(row: torch.Tensor, shard: int, span, dtype) -> QuantizedTensor:

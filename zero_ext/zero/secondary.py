@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .. import comm
 from . import collectives
 from .param import ZeroParam
 
@@ -55,8 +56,9 @@ class SecondaryPartition:
         flat = zp.full.reshape(-1)
         start = self.node_rank * n
         valid = max(0, min(zp.numel, start + n) - start)
-        piece = torch.zeros(n, dtype=zp.dtype, device=zp.compute_device)
+        piece = torch.empty(n, dtype=zp.dtype, device=zp.compute_device)
         piece[:valid].copy_(flat[start: start + valid])
+        piece[valid:].zero_()
         self._pieces[id(zp)] = piece
         if id(zp) not in self._hooks:  # a piece overwritten invalidates the copy cut from it
             self._hooks[id(zp)] = zp.register_update_hook(self.forget)
@@ -73,17 +75,14 @@ class SecondaryPartition:
 
     def gather_async(self, bucket: List[ZeroParam], outputs: List[torch.Tensor]) -> collectives.PendingGather:
         """Gather ``bucket`` (every parameter holding a secondary piece) over the node group into
-        ``outputs`` (each parameter's padded full storage): one coalesced all-gather of the pieces, then
-        the first numel elements copied over."""
+        ``outputs`` (each parameter's padded full storage, world * ceil(numel / world) elements): one
+        coalesced all-gather of the pieces straight into the outputs' first h * ceil(numel / h) elements,
+        which fit (h divides the world), with no staging copy."""
         self.gathers += 1
         pieces = [self._pieces[id(zp)] for zp in bucket]
-        staging = [torch.empty(self.size * p.numel(), dtype=p.dtype, device=p.device) for p in pieces]
-        inner = collectives.all_gather_pieces_async(pieces, staging, [zp.numel for zp in bucket], self.group)
-
-        def copy_out():
-            for zp, out, got in zip(bucket, outputs, staging):
-                out[: zp.numel].copy_(got[: zp.numel])
-        return collectives.PendingGather(inner, copy_out)
+        views = [out.view(-1)[: self.size * p.numel()] for out, p in zip(outputs, pieces)]
+        work = comm.all_gather_coalesced(views, pieces, group=self.group, async_op=True)
+        return collectives.PendingGather(work, None)
 
     def tensors(self) -> List[torch.Tensor]:
         """The secondary pieces held now (memory accounting)."""
