@@ -32,6 +32,14 @@ class ConfigModel(BaseModel):
         protected_namespaces=(),
     )
 
+    def __init__(self, /, **data: Any) -> None:
+        # DeepSpeed's code and tests build sections directly (DeepSpeedZeroConfig(**section_dict)): take
+        # its aliases, deprecated keys and "auto" here as load_config does, by the same walk. (load_config
+        # validates with model_validate, which does not come through here, so nothing is walked twice.)
+        if data:
+            data = _walked(type(self), data)
+        super().__init__(**data)
+
     def __setattr__(self, name: str, value: Any) -> None:
         # Assignments are validated too; report them as ConfigError like everything else.
         # pydantic has already stored the value when a model validator rejects it: put the
@@ -51,6 +59,21 @@ class ConfigModel(BaseModel):
         """Hook: rewrite deprecated keys of this section (already canonical names) before
         validation. ``report`` collects problems and warnings (see :class:`.keys.Report`)."""
         return data
+
+
+def _walked(model: Type["ConfigModel"], data: Dict[str, Any]) -> Dict[str, Any]:
+    """``data`` for a section built directly: aliases renamed, deprecated keys migrated (with their
+    warnings), and every key problem raised at once as a ConfigError."""
+    from .errors import warn
+    from .keys import Report, walk  # (keys imports this module)
+
+    report = Report()
+    clean = walk(dict(data), model, "", report)
+    if report.problems:
+        raise ConfigError(report.problems)
+    for message, category in report.warnings:
+        warn(message, category)
+    return clean
 
 
 def option(
