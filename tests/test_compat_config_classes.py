@@ -115,3 +115,32 @@ def test_configure_train_batch_size_rederives_the_triple(ds, train, micro, gas, 
         else:
             with pytest.raises(AssertionError, match="train_batch_size"):  # DeepSpeed asserts here
                 cfg._configure_train_batch_size()
+
+
+def test_a_library_section_on_deepspeeds_config_base_class(ds, caplog):
+    from typing import List, Optional
+
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel, get_scalar_param
+    from pydantic import Field
+
+    class Retrieval(DeepSpeedConfigModel):  # a section as a library defines one
+        top_k: int = 4
+        index_names: Optional[List[str]] = None
+        index_name: Optional[str] = Field(None, json_schema_extra={"deprecated": True, "new_param": "index_names",
+                                                                   "new_param_fn": lambda v: [v]})
+        batch: int = Field(8, alias="batch_size")
+
+    assert Retrieval(top_k=2).top_k == 2
+    assert Retrieval(batch_size=3).batch == 3 and Retrieval(batch=3).batch == 3  # name or alias
+    assert Retrieval(top_k="auto").top_k == 4  # "auto": the default
+    with caplog.at_level("WARNING", logger="zero_ext"):
+        assert Retrieval(index_name="wiki").index_names == ["wiki"]
+    assert "index_name is deprecated; use index_names" in caplog.text
+    with pytest.raises(AssertionError, match="both given"):
+        Retrieval(index_name="wiki", index_names=["web"])
+    for bad in ({"top_k": "many"}, {"top_kk": 1}):
+        with pytest.raises(ValidationError):
+            Retrieval(**bad)
+    with pytest.raises(ValidationError):
+        Retrieval(strict=True, top_k="auto")
+    assert get_scalar_param({"a": 1}, "a", 0) == 1 and get_scalar_param({}, "a", 0) == 0
