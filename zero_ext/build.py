@@ -168,6 +168,14 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     if cfg.zero_optimization.stage == 3:
         return _install_stage3(model, cfg, device, dtype, world, plan)
+    if any(zero_param_of(p) is not None for p in model.parameters()):
+        # Built under zero.Init (partitioned) but trained at a stage that keeps whole parameters on every
+        # rank: gather them whole (DeepSpeed's engine would carry on with empty parameters).
+        warnings.warn(f"zero_ext.initialize: the model's parameters were partitioned by zero.Init, but the config "
+                      f"trains at ZeRO stage {cfg.zero_optimization.stage}, which keeps whole parameters on every "
+                      "rank: they are gathered whole now (use stage 3 to keep them partitioned)", UserWarning,
+                      stacklevel=4)
+        unpartition(model)
     model.to(device)
     if dtype is not None:
         model.to(dtype)
