@@ -106,7 +106,8 @@ def test_configure_train_batch_size_rederives_the_triple(ds, train, micro, gas, 
 
     cfg = DeepSpeedConfig({"train_batch_size": 2}, mpu=TwoRanks())
     # all three given, then two of them (the third derived)
-    for t, m, g in [(train, micro, gas), (train, micro, None)] + ([(train, None, gas), (None, micro, gas)] if ok else []):
+    given = [(train, micro, gas), (train, micro, None)] + ([(train, None, gas), (None, micro, gas)] if ok else [])
+    for t, m, g in given:
         cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = t, m, g
         if ok:
             cfg._configure_train_batch_size()

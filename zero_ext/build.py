@@ -217,13 +217,16 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
-    return ZeroModel(model, param_persistence_threshold=zc.param_persistence_threshold,
-                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
-                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
-                     prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
-                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
-                     quantized_weights=zc.zero_quantized_weights, hpz=hpz,
-                     quantized_frozen=zc.zero_quantized_nontrainable_weights)
+    zero_model = ZeroModel(
+        model, param_persistence_threshold=zc.param_persistence_threshold,
+        model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
+        remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
+        prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
+        max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
+        quantized_weights=zc.zero_quantized_weights, hpz=hpz, quantized_frozen=zc.zero_quantized_nontrainable_weights)
+    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
+        zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
+    return zero_model
 
 
 def _hpz_groups(zc, plan: OffloadPlan, world: int):

@@ -149,7 +149,10 @@ class ZeroConfig(ConfigModel):
         stage3_only=True)
     log_trace_cache_warnings: bool = option(
         False, "Log when the recorded parameter-fetch trace is invalidated.", stage3_only=True)
-    enable_sanity_checks: bool = option(False, "Extra cross-rank consistency checks (debug).")
+    enable_sanity_checks: bool = option(
+        False, "Stage 3: a GatheredParameters block with modifier_rank None (read-only) checks that no rank "
+        "modified the parameters in place, and raises RuntimeError on every rank if one did (one small "
+        "all-gather at the block's exit).")
     save_muon_momentum_buffer_in_memory: bool = option(
         False, "Muon with NVMe offload: keep the momentum buffer in memory.")
     grad_hooks: bool = option(
