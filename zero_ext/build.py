@@ -28,6 +28,7 @@ import torch
 from . import comm
 from .accelerator import compute_device
 from .comm.collective_check import call_number, check_all_ranks_call
+from .comm.mpu import ParallelGroups, parallel_groups
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
 from .nvme.pieces import NVMePieces
@@ -55,11 +56,13 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, Any]], lr_scheduler=None,
-                 training_dataloader=None) -> ZeroEngine:
+                 training_dataloader=None, mpu=None, parallel: Optional[ParallelGroups] = None) -> ZeroEngine:
     """The engine for ``model`` under the checked config ``cfg``. ``optimizer`` is the client's (a
     torch optimizer or a callable taking ``groups``), or None: then the config's section, if any, builds
-    one (without either the engine runs forward only)."""
-    world, rank = comm.get_world_size(), comm.get_rank()
+    one (without either the engine runs forward only). ``parallel``: the data- and model-parallel groups
+    of ``mpu`` (comm/mpu.py); ZeRO works over the data-parallel one."""
+    parallel = parallel or parallel_groups(mpu)
+    world, rank, pg = parallel.dp_world, parallel.dp_rank, parallel.dp_group
     _agree_across_ranks(model, cfg)
     _hand_over(model)
     device = compute_device()
@@ -67,12 +70,13 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
     made = _Made()
     try:
-        made.zero_model = _place_model(model, cfg, device, world, plan)
+        made.zero_model = _place_model(model, cfg, device, world, plan, pg)
         base = _base_optimizer(model, cfg, optimizer, groups, plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
-            made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world)
+            made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
+                                        parallel)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
@@ -89,6 +93,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         _name_bucket_members(model, made.zopt)
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    engine.mpu, engine.world_size, engine.dp_world_size = mpu, world, world  # (DeepSpeed's: the data-parallel size)
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
         for name in ("reduce", "finish_backward"):
             if hasattr(made.zopt.reducer, name):
@@ -161,13 +166,13 @@ def _hand_over(model: torch.nn.Module) -> None:
 
 # -- 1. the model -------------------------------------------------------------------------------------------
 
-def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan):
+def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan, pg=None):
     """Stage 3: the ZeroModel over the partitioned model; stages 0-2: None, the model on the device in
     the training dtype, rank 0's values on every rank (replicas start equal even when scripts seed
     each rank differently, as DeepSpeed does)."""
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     if cfg.zero_optimization.stage == 3:
-        return _install_stage3(model, cfg, device, dtype, world, plan)
+        return _install_stage3(model, cfg, device, dtype, world, plan, pg)
     if any(zero_param_of(p) is not None for p in model.parameters()):
         # Built under zero.Init (partitioned) but trained at a stage that keeps whole parameters on every
         # rank: gather them whole (DeepSpeed's engine would carry on with empty parameters).
@@ -182,12 +187,17 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
     if world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                comm.broadcast(t.data, src=0)
+                comm.broadcast(t.data, src=_first_rank(pg), group=pg)
     return None
 
 
+def _first_rank(pg) -> int:
+    """The global rank of the data-parallel group's rank 0 (its values are every replica's start)."""
+    return 0 if pg is None else comm.get_global_rank(pg, 0)
+
+
 def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, world: int,
-                    plan: OffloadPlan) -> ZeroModel:
+                    plan: OffloadPlan, pg=None) -> ZeroModel:
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
@@ -206,7 +216,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 cast = want if b.is_floating_point() and dtype is not None else b.dtype
                 setattr(m, name, b.to(device=device, dtype=cast))
                 if world > 1:
-                    comm.broadcast(getattr(m, name), src=0)
+                    comm.broadcast(getattr(m, name), src=_first_rank(pg), group=pg)
     zc = cfg.zero_optimization
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
@@ -218,7 +228,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
     zero_model = ZeroModel(
-        model, param_persistence_threshold=zc.param_persistence_threshold,
+        model, group=pg, param_persistence_threshold=zc.param_persistence_threshold,
         model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
         remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
         prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
@@ -284,8 +294,9 @@ def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
-                    world: int) -> ZeroOptimizer:
+                    world: int, parallel: ParallelGroups) -> ZeroOptimizer:
     zc = cfg.zero_optimization
+    pg = parallel.dp_group
     after_step = []
     if zc.stage == 3:
         on_group = (lambda k, g: _register_piece_group(nvme_pieces, cfg, k, g)) if nvme_pieces is not None else None
@@ -293,7 +304,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                                        on_group=on_group)
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm,
                                _averaging(cfg, world, groups[0].dtype), rank, world, zc.ignore_unused_parameters,
-                               quantized=zc.zero_quantized_gradients)
+                               process_group=pg, quantized=zc.zero_quantized_gradients)
         after_step.append(zero_model.refresh_persistent)
         after_step.append(zero_model.drop_secondary)  # hpZ's copies were cut from the old pieces
     else:
@@ -313,12 +324,12 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype)
         if zc.stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
-                                    rank, world, zc.ignore_unused_parameters, averaging)
+                                    rank, world, zc.ignore_unused_parameters, averaging, process_group=pg)
         else:
-            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
+            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
     return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
-                         world, loss_scaler=scaler_from_config(cfg.fp16), after_step=after_step,
-                         nvme_pieces=nvme_pieces)
+                         world, loss_scaler=scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
+                         nvme_pieces=nvme_pieces, model_parallel=parallel)
 
 
 def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:

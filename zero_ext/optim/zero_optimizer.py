@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from .. import comm
+from ..comm.mpu import ParallelGroups, is_model_parallel_parameter
 from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
@@ -31,7 +32,7 @@ class ZeroOptimizer:
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
                  loss_scaler: Optional[StaticLossScaler] = None, process_group=None, after_step=(),
-                 nvme_pieces=None):
+                 nvme_pieces=None, model_parallel: Optional[ParallelGroups] = None):
         self.optimizer = base
         self.groups = groups  # one per base param group; None for a group without trainable params
         self.flat_groups = [g for g in groups if g is not None]
@@ -39,6 +40,7 @@ class ZeroOptimizer:
         self.clip = gradient_clipping
         self.allgather_bucket_size = allgather_bucket_size
         self.rank, self.world, self.pg = rank, world, process_group
+        self.model_parallel = model_parallel if model_parallel is not None and model_parallel.mp_world > 1 else None
         self.global_grad_norm: Optional[float] = None
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
@@ -121,9 +123,36 @@ class ZeroOptimizer:
         for g in self.flat_groups:
             if not g.grad.is_cpu:
                 sq += g.grad_sq_norm()
+        if self.model_parallel is not None:
+            return self._sq_norm_over_model_parallel(sq)
         if self.stage >= 1 and self.world > 1:
             comm.all_reduce(sq, group=self.pg)
         return sq.item()
+
+    def _sq_norm_over_model_parallel(self, sq: torch.Tensor) -> float:
+        """With an mpu (comm/mpu.py): the data-parallel sum, then the sum over the model-parallel group, where
+        a parameter not split across model-parallel ranks counts on model-parallel rank 0 only."""
+        mp = self.model_parallel
+        both = torch.stack([sq, self._replicated_sq().to(sq.device)])
+        if self.stage >= 1 and self.world > 1:
+            comm.all_reduce(both, group=self.pg)
+        mine = both[0] if mp.mp_rank == 0 else both[0] - both[1]
+        comm.all_reduce(mine, group=mp.mp_group)
+        return mine.item()
+
+    def _replicated_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient of the parameters not marked model-parallel (fp64)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in self.flat_groups:
+            if hasattr(g, "fragments"):  # stages 0-2: the parameters' runs inside this rank's partition
+                runs = [(f.part_offset, f.length) for f in g.fragments
+                        if not is_model_parallel_parameter(g.params[f.param])]
+            else:  # stage 3: each parameter's piece, back to back
+                runs = [(off, n) for p, off, n in zip(g.params, g.offsets, g.shards)
+                        if not is_model_parallel_parameter(p)]
+            for start, length in runs:
+                sq += g.grad[start:start + length].double().pow(2).sum().cpu()
+        return sq
 
     def step(self) -> bool:
         """One optimizer step; False when it was skipped for an fp16 overflow."""
