@@ -68,6 +68,35 @@ class ZeroOptimizer:
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scaler.dynamic
 
+    # DeepSpeed's optimizer attributes that libraries and scripts read: read-only views of our groups
+    @property
+    def fp16_groups(self) -> List[List[torch.nn.Parameter]]:
+        """The model parameters of each flat group (DeepSpeed's ``fp16_groups`` / ``bit16_groups``: per
+        param group at stages 1/2, per sub-group at stage 3), whatever the model's dtype."""
+        return [list(g.params) for g in self.flat_groups]
+
+    bit16_groups = fp16_groups
+
+    @property
+    def single_partition_of_fp32_groups(self) -> List[torch.Tensor]:
+        """Stages 1/2: this rank's fp32 master partition of each group (the tensors the optimizer steps)."""
+        return self._masters((1, 2), "single_partition_of_fp32_groups")
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
+        """Stage 3: this rank's fp32 master of each sub-group (its parameters' pieces back to back)."""
+        return self._masters((3,), "fp32_partitioned_groups_flat")
+
+    def _masters(self, stages, name: str) -> List[torch.Tensor]:
+        if self.stage not in stages:
+            raise AttributeError(f"ZeroOptimizer.{name} is DeepSpeed's attribute at ZeRO stage "
+                                 f"{' / '.join(map(str, stages))}, this optimizer runs stage {self.stage}")
+        if self.nvme is not None:
+            raise RuntimeError(f"ZeroOptimizer.{name}: the fp32 masters live on NVMe; read them inside "
+                               "`with engine.optimizer.materialized():` as flat_groups[i].master, or per parameter "
+                               "with deepspeed.utils.safe_get_full_fp32_param")
+        return [g.master for g in self.flat_groups]
+
     # torch.optim.Optimizer's surface, delegated
     @property
     def param_groups(self):
