@@ -29,8 +29,10 @@ def _views(stage):
     masters = opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups
     stepped = all(any(m is q for pg in opt.param_groups for q in pg["params"]) for m in masters)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if stage == 3:  # each parameter's piece, back to back
-        match = all(torch.equal(m[off:off + s], p.ds_tensor.float())
+    if stage == 3:  # each parameter's piece, back to back; the parameter's own data empty (DeepSpeed's constant)
+        from zero_ext.runtime.zero.partition_parameters import partitioned_param_data_shape
+
+        match = all(list(p.shape) == partitioned_param_data_shape for p in model.parameters()) and all(torch.equal(m[off:off + s], p.ds_tensor.float())
                     for m, g in zip(masters, opt.flat_groups) for p, off, s in zip(g.params, g.offsets, g.shards))
     else:  # this rank's slice of the parameters laid end to end (the layout's padding aside)
         match = all(torch.equal(m, g.flat[g.lo:g.hi].float()) and g.hi - g.lo == m.numel()
