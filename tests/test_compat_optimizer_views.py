@@ -37,6 +37,11 @@ def _views(stage):
     else:  # this rank's slice of the parameters laid end to end (the layout's padding aside)
         match = all(torch.equal(m, g.flat[g.lo:g.hi].float()) and g.hi - g.lo == m.numel()
                     for m, g in zip(masters, opt.flat_groups))
+        parts = opt.parallel_partitioned_bit16_groups  # every rank's partition, as views of the flat buffer
+        align = 2 * opt.nccl_start_alignment_factor
+        match = match and all(len(ps) == world and ps[rank].data_ptr() == g.flat[g.lo:].data_ptr() and
+                              all(p.data_ptr() % align == 0 for p in ps) and torch.equal(torch.cat(ps), g.flat)
+                              for ps, g in zip(parts, opt.flat_groups))
     engine.destroy()
     return same_params, refused, stepped, match, (rank, world)
 

@@ -275,7 +275,8 @@ def _stage_rules(z: ZeroConfig):
                "too); remove the key")
     if z.stage in (1, 2) and z.allgather_bucket_size % 2:
         yield ("allgather_bucket_size", z.allgather_bucket_size,
-               "must be a multiple of 2 (4-byte alignment of 16-bit all-gather buckets)")
+               "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, i.e. a multiple of 2 "
+               "(16-bit all-gather buckets start 4-byte aligned)")
 
 
 def stage3_only_keys_given(z: ZeroConfig) -> Tuple[str, ...]:

@@ -87,6 +87,17 @@ class ZeroOptimizer:
         """Stage 3: this rank's fp32 master of each sub-group (its parameters' pieces back to back)."""
         return self._masters((3,), "fp32_partitioned_groups_flat")
 
+    @property
+    def parallel_partitioned_bit16_groups(self) -> List[List[torch.Tensor]]:
+        """Stages 1/2: each group's 16-bit flat buffer cut into the ranks' partitions (views, rank by rank)."""
+        if self.stage not in (1, 2):
+            raise AttributeError(f"ZeroOptimizer.parallel_partitioned_bit16_groups is DeepSpeed's attribute at ZeRO "
+                                 f"stage 1 / 2, this optimizer runs stage {self.stage}")
+        return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(self.world)] for g in self.flat_groups]
+
+    parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups
+    nccl_start_alignment_factor = planner.NCCL_START_ALIGNMENT_FACTOR  # partitions start at multiples of it
+
     def _masters(self, stages, name: str) -> List[torch.Tensor]:
         if self.stage not in stages:
             raise AttributeError(f"ZeroOptimizer.{name} is DeepSpeed's attribute at ZeRO stage "
