@@ -138,3 +138,36 @@ def test_ranks_with_another_config_or_model_fail_at_initialize_naming_it(what, n
     for error in errors:
         assert error is not None and "zero_ext.initialize is collective and every rank must pass the same" in error
         assert named in error and "every rank must build the same model with the same config" in error
+
+
+def _zero_init_model_at(stage):
+    import zero_ext
+
+    torch.manual_seed(0)
+    with zero_ext.zero.Init():  # partitioned, although the engine below keeps whole parameters
+        model = MLP()
+    with zero_ext.zero.GatheredParameters(list(model.parameters())):
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = zero_ext.initialize(model=model, config=_config(stage))[0]
+    warned = [str(w.message) for w in caught if "partitioned by zero.Init" in str(w.message)]
+    whole = all(not hasattr(p, "ds_id") and torch.equal(p.detach(), values[n]) for n, p in model.named_parameters())
+    got = _losses(engine)
+    engine.destroy()
+    torch.manual_seed(0)
+    ref_model = MLP()
+    with torch.no_grad():
+        for n, p in ref_model.named_parameters():
+            p.copy_(values[n])
+    ref = zero_ext.initialize(model=ref_model, config=_config(stage))[0]
+    expected = _losses(ref)
+    ref.destroy()
+    return warned, whole, got, expected
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_zero_init_model_under_a_stage_below_3_is_made_whole_and_trains(stage):
+    for warned, whole, got, expected in run_ranks(2, _zero_init_model_at, stage):
+        assert len(warned) == 1 and f"ZeRO stage {stage}" in warned[0]
+        assert whole and got == expected

@@ -136,3 +136,63 @@ def test_register_and_unregister_by_hand():
         assert loss_equal and grads_differ == []
         assert "torch.nn.Parameter" in errors[0] and "not registered" in errors[1]
         assert "torch.nn.Parameter" in errors[2]
+
+
+class PassesBiasOn(nn.Module):
+    """Returns the bias its child returned, unused: the module that uses it is the one above."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Linear(4, 4)
+        self.inner = BiasReturningLinear(4, 3)
+        self.seen = []
+
+    def forward(self, x):
+        y, bias = self.inner(self.pre(x))
+        if hasattr(bias, "ds_status"):  # (the reference model's is a plain parameter)
+            self.seen.append(bias.ds_status.name)  # the caller may read it: still gathered
+        return y, bias
+
+
+class AddsHandedUpBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mid = PassesBiasOn()
+        self.post = nn.Linear(3, 2)
+
+    def forward(self, x):
+        y, bias = self.mid(x)
+        return self.post(torch.tanh(y + bias))
+
+
+def _handed_up():
+    import zero_ext.zero as zero
+
+    torch.manual_seed(5)
+    ref = AddsHandedUpBias()
+    with zero.Init():
+        model = AddsHandedUpBias()
+    zm = zero.ZeroModel(model, param_persistence_threshold=0)
+    with zero.GatheredParameters(list(model.parameters()), modifier_rank=0), torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters()):
+            p.copy_(q)
+    gen = torch.Generator().manual_seed(rank())
+    holders = []
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=gen)
+        a, b = ref(x).pow(2).mean(), model(x).pow(2).mean()
+        a.backward()
+        b.backward()
+        holders.append({n or "<root>": len(m._external_params) for n, m in model.named_modules()
+                        if m._external_params})
+    bias = model.mid.inner.bias
+    registered_at_root = model._external_params.get(id(bias)) is bias
+    zm.destroy()
+    return model.mid.seen, holders, registered_at_root, same_tensors(grads(ref), grads(model))
+
+
+def test_a_returned_parameter_stays_gathered_for_the_module_that_uses_it():
+    for seen, holders, registered_at_root, grads_differ in run_ranks(2, _handed_up):
+        assert seen == ["AVAILABLE"] * 3  # also in the first step, before any registration
+        assert holders == [{"<root>": 1}] * 3  # handed up twice, to the module that adds it; not moved again
+        assert registered_at_root and grads_differ == []

@@ -137,3 +137,42 @@ def _under_init_dtype():
 def test_gathering_inside_an_init_with_another_dtype_is_exact():
     for dtype, equal in run_ranks(2, _under_init_dtype):
         assert dtype == torch.float32 and equal
+
+
+def _sanity_checked(via_engine, modifier):
+    import zero_ext
+    import zero_ext.zero as zero
+
+    config = {"train_micro_batch_size_per_gpu": 1,
+              "zero_optimization": {"stage": 3, "enable_sanity_checks": True, "stage3_param_persistence_threshold": 0}}
+    torch.manual_seed(0)
+    if via_engine:
+        lin = nn.Linear(4, 2)
+        engine = zero_ext.initialize(model=lin, config=config)[0]
+    else:
+        with zero.Init(config_dict_or_path=config):
+            lin = nn.Linear(4, 2)
+    before = full_values(lin)
+    outcome = "no error"
+    try:
+        with zero.GatheredParameters(list(lin.parameters())):
+            if rank() == modifier:
+                with torch.no_grad():
+                    lin.weight.mul_(2.0)
+    except RuntimeError as exc:
+        outcome = str(exc)
+    unchanged = all(torch.equal(v, before[k]) for k, v in full_values(lin).items())
+    with zero.GatheredParameters(list(lin.parameters())):  # reading only: no error
+        lin.weight.sum()
+    if via_engine:
+        engine.destroy()
+    return outcome, unchanged
+
+
+def test_sanity_checks_turn_a_discarded_change_into_an_error_on_every_rank():
+    for via_engine in (False, True):
+        for outcome, unchanged in run_ranks(2, _sanity_checked, via_engine, 1):  # rank 1 alone modifies
+            assert "in-place modification" in outcome and "modifier_rank=<rank>" in outcome
+            assert unchanged  # (discarded all the same)
+    for outcome, unchanged in run_ranks(2, _sanity_checked, False, -1):  # nobody modifies
+        assert outcome == "no error" and unchanged

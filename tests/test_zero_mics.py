@@ -271,7 +271,7 @@ def test_mics_with_qwz_and_qgz_trains_as_the_quantized_reference(monkeypatch):
     s = 2
     case = ("fp32", 4, 1, "gpt", 6, {**tq.QW, **tq.QG, "mics_shard_size": s})
     monkeypatch.setattr(tq, "gathered_weight", lambda w, world: gathered_weight(w, s))
-    monkeypatch.setattr(tq, "reduced_gradient", lambda grads, world, quantized: sum(
+    monkeypatch.setattr(tq, "reduced_gradient", lambda grads, world, quantized, node=1: sum(  # one level in MiCS
         reduced_gradient(grads[k:k + s], s, quantized=quantized) for k in range(0, len(grads), s)))
     results = run_ranks(4, tq._train_engine, case, timeout=240)
     ref_losses, ref_master = tq._reference(case)

@@ -16,7 +16,8 @@ def test_tiles_compute_the_whole_linear(in_splits, out_splits):
     assert torch.allclose(tiled(x), lin(x), rtol=1e-6, atol=1e-6)
     split = TiledLinear(10, 7, in_splits=in_splits, out_splits=out_splits, init_linear=lin,
                         input_is_already_split=True, combine_out_splits=False)
-    outs = split(list(torch.split(x, split.in_parts, dim=-1)))
+    widths = [b - a for a, b in zip(split.in_parts[:-1], split.in_parts[1:])]
+    outs = split(list(torch.split(x, widths, dim=-1)))
     assert len(outs) == out_splits and torch.allclose(torch.cat(outs, -1), lin(x), rtol=1e-6, atol=1e-6)
     n_bias = sum(t.bias is not None for row in tiled.linears for t in row)
     assert n_bias == out_splits  # the bias is added once per output part
@@ -25,10 +26,52 @@ def test_tiles_compute_the_whole_linear(in_splits, out_splits):
 def test_bad_splits_and_shapes_are_named():
     from zero_ext.zero import TiledLinear
 
-    with pytest.raises(ValueError, match="cannot cut 4 features into 5 parts"):
+    with pytest.raises(ValueError, match="cannot cut 4 input features into 5 parts"):
         TiledLinear(4, 3, in_splits=5)
+    with pytest.raises(RuntimeError, match="cannot cut 3 output features into 0 parts"):  # DeepSpeed's type too
+        TiledLinear(4, 3, out_splits=0)
+    with pytest.raises(ValueError, match="the tiles have bias, the source Linear has none"):
+        TiledLinear(4, 3, init_linear=torch.nn.Linear(4, 3, bias=False))
     with pytest.raises(ValueError, match=r"weight of shape \(3, 5\), expected \(3, 4\)"):
         TiledLinear(4, 3, init_linear=torch.nn.Linear(5, 3))
+
+
+def test_parts_are_boundaries_with_the_remainder_on_the_first_parts():
+    from zero_ext.zero import TiledLinear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(11, 7)
+    tiled = TiledLinear(11, 7, in_splits=3, out_splits=2, init_linear=lin)
+    assert tiled.in_parts == [0, 4, 8, 11] and tiled.out_parts == [0, 4, 7]  # 11 = 4+4+3, 7 = 4+3
+    for r, row in enumerate(tiled.linears):
+        for c, tile in enumerate(row):
+            rows = slice(tiled.out_parts[r], tiled.out_parts[r + 1])
+            cols = slice(tiled.in_parts[c], tiled.in_parts[c + 1])
+            assert torch.equal(tile.weight, lin.weight[rows, cols])
+            assert (tile.bias is not None) == (c == 2)
+
+
+class _LinearReturningBias(torch.nn.Linear):
+    """A Megatron-style linear: the bias is returned, not added."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight), self.bias
+
+
+def test_return_bias_tiles_sum_outputs_and_join_biases():
+    from zero_ext.zero import TiledLinearReturnBias
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(10, 6)
+    tiled = TiledLinearReturnBias(10, 6, in_splits=3, out_splits=2, linear_cls=_LinearReturningBias, init_linear=lin)
+    x = torch.randn(4, 10)
+    out, bias = tiled(x)
+    assert torch.allclose(out, x @ lin.weight.t(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(bias, lin.bias)
+    nobias = TiledLinearReturnBias(10, 6, bias=False, in_splits=2, linear_cls=_LinearReturningBias)
+    assert nobias(x)[1] is None
+    with pytest.raises(TypeError, match="expected a tuple"):
+        TiledLinearReturnBias(10, 6, in_splits=2)(x)
 
 
 def _tiled_model():

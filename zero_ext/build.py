@@ -29,6 +29,7 @@ import torch
 from . import comm
 from .accelerator import compute_device, get_accelerator
 from .comm.collective_check import call_number, check_all_ranks_call
+from .comm.mpu import ParallelGroups, parallel_groups
 from .config import ConfigError
 from .engine import StepPhase, ZeroEngine, engine_of, engine_of_module
 from .nvme.pieces import NVMePieces
@@ -58,11 +59,13 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, Any]], lr_scheduler=None,
-                 training_dataloader=None) -> ZeroEngine:
+                 training_dataloader=None, mpu=None, parallel: Optional[ParallelGroups] = None) -> ZeroEngine:
     """The engine for ``model`` under the checked config ``cfg``. ``optimizer`` is the client's (a
     torch optimizer or a callable taking ``groups``), or None: then the config's section, if any, builds
-    one (without either the engine runs forward only)."""
-    world, rank = comm.get_world_size(), comm.get_rank()
+    one (without either the engine runs forward only). ``parallel``: the data- and model-parallel groups
+    of ``mpu`` (comm/mpu.py); ZeRO works over the data-parallel one."""
+    parallel = parallel or parallel_groups(mpu)
+    world, rank, pg = parallel.dp_world, parallel.dp_rank, parallel.dp_group
     _agree_across_ranks(model, cfg)
     _hand_over(model)
     device = compute_device()
@@ -70,14 +73,14 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
     made = _Made()
     try:
-        mics = _mics_groups(cfg.zero_optimization, plan, world)
-        made.zero_model = _place_model(model, cfg, device, world, plan, mics)
+        mics = _mics_groups(cfg.zero_optimization, plan, world, parallel)
+        made.zero_model = _place_model(model, cfg, device, world, plan, pg, mics)
         base = _base_optimizer(model, cfg, optimizer, groups, plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
-                                        mics)
+                                        parallel, mics)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
@@ -94,6 +97,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         _name_bucket_members(model, made.zopt)
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
+    engine.mpu, engine.world_size, engine.dp_world_size = mpu, world, world  # (DeepSpeed's: the data-parallel size)
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
         for name in ("reduce", "finish_backward"):
             if hasattr(made.zopt.reducer, name):
@@ -166,26 +170,39 @@ def _hand_over(model: torch.nn.Module) -> None:
 
 # -- 1. the model -------------------------------------------------------------------------------------------
 
-def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan,
+def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan, pg=None,
                  mics: Optional[MiCSGroups] = None):
     """Stage 3: the ZeroModel over the partitioned model; stages 0-2: None, the model on the device in
     the training dtype, rank 0's values on every rank (replicas start equal even when scripts seed
     each rank differently, as DeepSpeed does)."""
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     if cfg.zero_optimization.stage == 3:
-        return _install_stage3(model, cfg, device, dtype, world, plan, mics)
+        return _install_stage3(model, cfg, device, dtype, world, plan, pg, mics)
+    if any(zero_param_of(p) is not None for p in model.parameters()):
+        # Built under zero.Init (partitioned) but trained at a stage that keeps whole parameters on every
+        # rank: gather them whole (DeepSpeed's engine would carry on with empty parameters).
+        warnings.warn(f"zero_ext.initialize: the model's parameters were partitioned by zero.Init, but the config "
+                      f"trains at ZeRO stage {cfg.zero_optimization.stage}, which keeps whole parameters on every "
+                      "rank: they are gathered whole now (use stage 3 to keep them partitioned)", UserWarning,
+                      stacklevel=4)
+        unpartition(model)
     model.to(device)
     if dtype is not None:
         model.to(dtype)
     if world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                comm.broadcast(t.data, src=0)
+                comm.broadcast(t.data, src=_first_rank(pg), group=pg)
     return None
 
 
+def _first_rank(pg) -> int:
+    """The global rank of the data-parallel group's rank 0 (its values are every replica's start)."""
+    return 0 if pg is None else comm.get_global_rank(pg, 0)
+
+
 def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, world: int,
-                    plan: OffloadPlan, mics: Optional[MiCSGroups] = None) -> ZeroModel:
+                    plan: OffloadPlan, pg=None, mics: Optional[MiCSGroups] = None) -> ZeroModel:
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
@@ -205,7 +222,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 cast = want if b.is_floating_point() and dtype is not None else b.dtype
                 setattr(m, name, b.to(device=device, dtype=cast))
                 if world > 1:
-                    comm.broadcast(getattr(m, name), src=0)
+                    comm.broadcast(getattr(m, name), src=_first_rank(pg), group=pg)
     zc = cfg.zero_optimization
     leaf = zc.leaf_module
     apply_leaf_config(model, leaf.classes, leaf.names, leaf.name_suffixes)
@@ -216,14 +233,17 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     check = os.environ.get("ZERO_EXT_CHECK_FETCH_ORDER", "1") != "0"
     hpz = _hpz_groups(zc, plan, world)
     # offload_param: pieces in host memory (pieces made by zero.Init stay where Init put them)
-    return ZeroModel(model, group=mics.shard_group if mics is not None else None,
-                     param_persistence_threshold=zc.param_persistence_threshold,
-                     model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
-                     remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
-                     prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
-                     max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
-                     quantized_weights=zc.zero_quantized_weights, hpz=hpz,
-                     quantized_frozen=zc.zero_quantized_nontrainable_weights)
+    zero_model = ZeroModel(
+        model, group=mics.shard_group if mics is not None else pg,
+        param_persistence_threshold=zc.param_persistence_threshold,
+        model_persistence_threshold=zc.model_persistence_threshold, check_fetch_order=check,
+        remote_device=plan.param_remote_device, pin_memory=plan.host.pin,
+        prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
+        max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
+        quantized_weights=zc.zero_quantized_weights, hpz=hpz, quantized_frozen=zc.zero_quantized_nontrainable_weights)
+    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
+        zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
+    return zero_model
 
 
 def _hpz_groups(zc, plan: OffloadPlan, world: int):
@@ -242,12 +262,16 @@ def _hpz_groups(zc, plan: OffloadPlan, world: int):
     return None if found is None else (*found, size)
 
 
-def _mics_groups(zc, plan: OffloadPlan, world: int) -> Optional[MiCSGroups]:
+def _mics_groups(zc, plan: OffloadPlan, world: int, parallel: ParallelGroups) -> Optional[MiCSGroups]:
     """MiCS's shard and replica groups (zero/mics.py), or None when off. The rules that need the world
     size are checked here (the config's own rules ran at load)."""
     if zc.stage != 3 or zc.mics_shard_size <= 0:
         return None
     size = zc.mics_shard_size
+    if parallel.dp_group is not None:
+        raise ConfigError(f"zero_optimization.mics_shard_size = {size} with an mpu: MiCS cuts its shard groups "
+                          "from the whole world, not from the mpu's data-parallel group; remove mics_shard_size "
+                          "or the mpu")
     if plan.optimizer and world > size and world % size == 0:
         # DeepSpeed's MiCS refused this at its first reduction ("Local sharding has no support for CPU
         # offloading"): the replica all-reduce runs on the device partitions
@@ -319,10 +343,10 @@ def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
-                    world: int, mics: Optional[MiCSGroups] = None) -> ZeroOptimizer:
+                    world: int, parallel: ParallelGroups, mics: Optional[MiCSGroups] = None) -> ZeroOptimizer:
     zc = cfg.zero_optimization
+    pg = parallel.dp_group  # the partition group: the data-parallel group, or MiCS's shard group
     after_step = []
-    pg = None  # the partition group: the world, or MiCS's shard group (rank and world then its own)
     if zc.stage == 3:
         everyone = world  # gradients are averaged over every rank, MiCS's replicas too
         replicas = None
@@ -333,8 +357,8 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
                                        on_group=on_group, process_group=pg)
         averaging = _averaging(cfg, everyone, groups[0].dtype)
-        # qgZ in two levels across nodes; inside a MiCS shard group in one (the group is the partition)
-        hierarchy = _qgz_hierarchy(zc, world) if zc.zero_quantized_gradients and mics is None else None
+        # qgZ in two levels across nodes; in one inside a MiCS shard group or an mpu's data-parallel group
+        hierarchy = _qgz_hierarchy(zc, world) if zc.zero_quantized_gradients and pg is None else None
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm, averaging, rank, world,
                                zc.ignore_unused_parameters, process_group=pg, quantized=zc.zero_quantized_gradients,
                                replicas=replicas, hierarchy=hierarchy)
@@ -357,12 +381,12 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype)
         if zc.stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
-                                    rank, world, zc.ignore_unused_parameters, averaging)
+                                    rank, world, zc.ignore_unused_parameters, averaging, process_group=pg)
         else:
-            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging)
+            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
     return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
                          world, loss_scaler=scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
-                         nvme_pieces=nvme_pieces)
+                         nvme_pieces=nvme_pieces, model_parallel=parallel)
 
 
 def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:

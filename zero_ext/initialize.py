@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from . import activation_checkpointing, comm
 from .build import build_engine
+from .comm.mpu import parallel_groups
 from .config import ConfigError, load_config, reject_unimplemented
 from .config.errors import InitializeArgumentError
 from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
@@ -29,18 +30,20 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
     parameters (it wins over a config ``optimizer`` section, with a warning, as in DeepSpeed);
     otherwise the config's ``optimizer`` section builds one. ``lr_scheduler`` is a
     scheduler or a callable taking the optimizer. ``training_data`` (a Dataset) gives a loader with a
-    distributed sampler and the micro batch size.
+    distributed sampler and the micro batch size. ``mpu`` (Megatron-style model parallelism): ZeRO works
+    over its data-parallel group, the gradient norm spans its model-parallel group too (comm/mpu.py).
     """
     if model is None:
         raise InitializeArgumentError("zero_ext.initialize: model is required (pass model=your_module)")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"zero_ext.initialize: model must be a torch.nn.Module, not {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("zero_ext.initialize: model parallelism (mpu, mesh_param) is not supported by zero_ext; "
-                         "zero_ext is data-parallel ZeRO only")
+    if mesh_param is not None:
+        raise ValueError("zero_ext.initialize: mesh_param (a device mesh) is not supported by zero_ext; give the "
+                         "data- and model-parallel groups as an mpu instead")
     source = _config_source(args, config, config_params)
     comm.init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
-    world, rank = comm.get_world_size(), comm.get_rank()
+    parallel = parallel_groups(mpu)  # the data-parallel group ZeRO works over (comm/mpu.py)
+    world, rank = parallel.dp_world, parallel.dp_rank
     cfg = load_config(source)
     cfg.resolve_batch(world)
     reject_unimplemented(cfg, implemented=IMPLEMENTED)
@@ -59,7 +62,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
                       "remove one of them to silence this", UserWarning, stacklevel=2)
     groups = _param_groups(model, model_parameters)
     loader = _dataloader(training_data, cfg, collate_fn, rank, world)
-    engine = build_engine(model, cfg, optimizer, groups, lr_scheduler=lr_scheduler, training_dataloader=loader)
+    engine = build_engine(model, cfg, optimizer, groups, lr_scheduler=lr_scheduler, training_dataloader=loader,
+                          mpu=mpu, parallel=parallel)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -107,10 +107,22 @@ def _shape(p) -> List[int]:
     return list(getattr(p, "ds_shape", p.shape))
 
 
+def _refuse_model_parallel(engine, what: str) -> None:
+    """Checkpoints are laid out per data-parallel rank of one model: with an mpu splitting the model over
+    model-parallel ranks each part would need files of its own, which zero_ext does not write yet."""
+    if engine.world_size != comm.get_world_size():
+        raise NotImplementedError(
+            f"{what}: the engine's mpu splits the {comm.get_world_size()} ranks into data-parallel groups of "
+            f"{engine.world_size} (model parallelism); zero_ext's checkpoints hold one model's data-parallel "
+            "partitions and are not implemented for model-parallel parts yet; save through your model-parallel "
+            "framework, or gather the model first")
+
+
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
+    _refuse_model_parallel(engine, "save_checkpoint")
     check_all_ranks_call("save_checkpoint", engine.next_collective_seq())
     rank, world = engine.global_rank, engine.world_size
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint's tag")
@@ -244,6 +256,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
                     load_module_only: bool = False, custom_load_fn=None) -> Tuple[Optional[str], Optional[dict]]:
     if custom_load_fn is not None:
         raise ValueError("load_checkpoint: custom_load_fn is not supported by zero_ext")
+    _refuse_model_parallel(engine, "load_checkpoint")
     check_all_ranks_call("load_checkpoint", engine.next_collective_seq())
     if tag is None:
         latest = os.path.join(load_dir, "latest")

@@ -13,13 +13,17 @@ original spelling can still be reported.
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Annotated, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError
 
+#: Set while ConfigModel.__setattr__ validates an assignment (pydantic passes the whole model to the
+#: "before" validators then).
+_ASSIGNING: ContextVar[bool] = ContextVar("zero_ext_config_assigning", default=False)
 
 
 class ConfigModel(BaseModel):
@@ -32,11 +36,23 @@ class ConfigModel(BaseModel):
         protected_namespaces=(),
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _deepspeed_spellings(cls, data: Any, info: ValidationInfo) -> Any:
+        # DeepSpeed's code and tests build sections directly (DeepSpeedZeroConfig(**section_dict)): take
+        # its aliases, deprecated keys and "auto" then as load_config does, by the same walk. load_config
+        # has walked already and validates with a context, assignments pass the model's own (canonical)
+        # fields: neither is walked again.
+        if info.context is None and isinstance(data, dict) and data and not _ASSIGNING.get():
+            return _walked(cls, data)
+        return data
+
     def __setattr__(self, name: str, value: Any) -> None:
         # Assignments are validated too; report them as ConfigError like everything else.
         # pydantic has already stored the value when a model validator rejects it: put the
         # old one back so a refused assignment changes nothing.
         before = dict(self.__dict__)
+        token = _ASSIGNING.set(True)
         try:
             super().__setattr__(name, value)
         except ValidationError as err:
@@ -45,12 +61,29 @@ class ConfigModel(BaseModel):
             self.__dict__.clear()
             self.__dict__.update(before)
             raise ConfigError(problems_from_errors(err.errors())) from None
+        finally:
+            _ASSIGNING.reset(token)
 
     @classmethod
     def migrate_raw(cls, data: Dict[str, Any], path: str, report: Any) -> Dict[str, Any]:
         """Hook: rewrite deprecated keys of this section (already canonical names) before
         validation. ``report`` collects problems and warnings (see :class:`.keys.Report`)."""
         return data
+
+
+def _walked(model: Type["ConfigModel"], data: Dict[str, Any]) -> Dict[str, Any]:
+    """``data`` for a section built directly: aliases renamed, deprecated keys migrated (with their
+    warnings), and every key problem raised at once (a ValidationError, as for any other bad value)."""
+    from .errors import warn
+    from .keys import Report, walk  # (keys imports this module)
+
+    report = Report()
+    clean = walk(dict(data), model, "", report)
+    if report.problems:
+        raise rule_errors((p.path, p.value, p.message) for p in report.problems)
+    for message, category in report.warnings:
+        warn(message, category)
+    return clean
 
 
 def option(

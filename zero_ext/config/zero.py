@@ -14,6 +14,7 @@ from pydantic import model_validator
 
 from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
 from .errors import ConfigDeprecationWarning
+from .messages import join_path
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
 from .zero_extras import LeafModuleConfig, ZenFlowConfig
 
@@ -156,7 +157,10 @@ class ZeroConfig(ConfigModel):
         stage3_only=True)
     log_trace_cache_warnings: bool = option(
         False, "Log when the recorded parameter-fetch trace is invalidated.", stage3_only=True)
-    enable_sanity_checks: bool = option(False, "Extra cross-rank consistency checks (debug).")
+    enable_sanity_checks: bool = option(
+        False, "Stage 3: a GatheredParameters block with modifier_rank None (read-only) checks that no rank "
+        "modified the parameters in place, and raises RuntimeError on every rank if one did (one small "
+        "all-gather at the block's exit).")
     save_muon_momentum_buffer_in_memory: bool = option(
         False, "Muon with NVMe offload: keep the momentum buffer in memory.")
     grad_hooks: bool = option(
@@ -177,11 +181,11 @@ class ZeroConfig(ConfigModel):
             if old not in data:
                 continue
             value = data.pop(old)
-            report.deprecated(f"{path}.{old}", f"{path}.{new}")
+            report.deprecated(join_path(path, old), join_path(path, new))
             if not isinstance(value, bool) and value is not None:
-                report.problem(f"{path}.{old}", value, "must be true or false")
+                report.problem(join_path(path, old), value, "must be true or false")
             elif value and new in data:
-                report.problem(f"{path}.{old}", value,
+                report.problem(join_path(path, old), value,
                                f"cannot be combined with its replacement {new}; remove {old}")
             elif value:
                 data[new] = {"device": "cpu"}
@@ -189,15 +193,15 @@ class ZeroConfig(ConfigModel):
             _migrate_pin_memory(data, path, report)
         if data.get("elastic_checkpoint") is True:
             report.warnings.append((
-                f"{path}.elastic_checkpoint is deprecated and has no effect: zero_ext checkpoints "
+                f"{join_path(path, 'elastic_checkpoint')} is deprecated and has no effect: zero_ext checkpoints "
                 "load into any world size and ZeRO stage (docs/checkpoints.md, Resharding); remove it",
                 ConfigDeprecationWarning))
         old, new = "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"
         if old in data:
             value = data.pop(old)
-            report.deprecated(f"{path}.{old}", f"{path}.{new}")
+            report.deprecated(join_path(path, old), join_path(path, new))
             if new in data:
-                report.problem(f"{path}.{old}", value,
+                report.problem(join_path(path, old), value,
                                f"cannot be combined with its replacement {new}; remove {old}")
             elif value is not None:
                 data[new] = value
@@ -225,20 +229,20 @@ def _migrate_pin_memory(data: Dict[str, Any], path: str, report: Any) -> None:
     # sections, so the user's intent (usually "don't pin") is kept rather than dropped.
     key = "cpu_offload_use_pin_memory"
     value = data.pop(key)
-    report.deprecated(f"{path}.{key}", f"{path}.offload_*.pin_memory")
+    report.deprecated(join_path(path, key), join_path(path, "offload_*.pin_memory"))
     if not isinstance(value, bool):
         if value is not None:
-            report.problem(f"{path}.{key}", value, "must be true or false")
+            report.problem(join_path(path, key), value, "must be true or false")
         return
     targets = [s for s in ("offload_optimizer", "offload_param") if isinstance(data.get(s), dict)]
     if not targets:
-        report.warning(f"{path}.{key} has no effect: no offload_optimizer/offload_param section "
+        report.warning(f"{join_path(path, key)} has no effect: no offload_optimizer/offload_param section "
                        "is configured")
     for section in targets:
         given = data[section]
         if "pin_memory" in given and given["pin_memory"] != value:
-            report.problem(f"{path}.{key}", value,
-                           f"conflicts with {path}.{section}.pin_memory = {given['pin_memory']}; "
+            report.problem(join_path(path, key), value,
+                           f"conflicts with {join_path(path, section)}.pin_memory = {given['pin_memory']}; "
                            f"remove {key}")
         else:
             data[section] = {**given, "pin_memory": value}
@@ -281,7 +285,8 @@ def _stage_rules(z: ZeroConfig):
         yield from _mics_rules(z)
     if z.stage in (1, 2) and z.allgather_bucket_size % 2:
         yield ("allgather_bucket_size", z.allgather_bucket_size,
-               "must be a multiple of 2 (4-byte alignment of 16-bit all-gather buckets)")
+               "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, i.e. a multiple of 2 "
+               "(16-bit all-gather buckets start 4-byte aligned)")
 
 
 def _mics_rules(z: ZeroConfig):

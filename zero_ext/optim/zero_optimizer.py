@@ -17,6 +17,7 @@ from typing import List, Optional
 import torch
 
 from .. import comm
+from ..comm.mpu import ParallelGroups, is_model_parallel_parameter
 from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
@@ -31,7 +32,7 @@ class ZeroOptimizer:
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
                  loss_scaler: Optional[StaticLossScaler] = None, process_group=None, after_step=(),
-                 nvme_pieces=None):
+                 nvme_pieces=None, model_parallel: Optional[ParallelGroups] = None):
         self.optimizer = base
         self.groups = groups  # one per base param group; None for a group without trainable params
         self.flat_groups = [g for g in groups if g is not None]
@@ -39,6 +40,7 @@ class ZeroOptimizer:
         self.clip = gradient_clipping
         self.allgather_bucket_size = allgather_bucket_size
         self.rank, self.world, self.pg = rank, world, process_group
+        self.model_parallel = model_parallel if model_parallel is not None and model_parallel.mp_world > 1 else None
         self.global_grad_norm: Optional[float] = None
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
@@ -65,6 +67,46 @@ class ZeroOptimizer:
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scaler.dynamic
+
+    # DeepSpeed's optimizer attributes that libraries and scripts read: read-only views of our groups
+    @property
+    def fp16_groups(self) -> List[List[torch.nn.Parameter]]:
+        """The model parameters of each flat group (DeepSpeed's ``fp16_groups`` / ``bit16_groups``: per
+        param group at stages 1/2, per sub-group at stage 3), whatever the model's dtype."""
+        return [list(g.params) for g in self.flat_groups]
+
+    bit16_groups = fp16_groups
+
+    @property
+    def single_partition_of_fp32_groups(self) -> List[torch.Tensor]:
+        """Stages 1/2: this rank's fp32 master partition of each group (the tensors the optimizer steps)."""
+        return self._masters((1, 2), "single_partition_of_fp32_groups")
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
+        """Stage 3: this rank's fp32 master of each sub-group (its parameters' pieces back to back)."""
+        return self._masters((3,), "fp32_partitioned_groups_flat")
+
+    @property
+    def parallel_partitioned_bit16_groups(self) -> List[List[torch.Tensor]]:
+        """Stages 1/2: each group's 16-bit flat buffer cut into the ranks' partitions (views, rank by rank)."""
+        if self.stage not in (1, 2):
+            raise AttributeError(f"ZeroOptimizer.parallel_partitioned_bit16_groups is DeepSpeed's attribute at ZeRO "
+                                 f"stage 1 / 2, this optimizer runs stage {self.stage}")
+        return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(self.world)] for g in self.flat_groups]
+
+    parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups
+    nccl_start_alignment_factor = planner.NCCL_START_ALIGNMENT_FACTOR  # partitions start at multiples of it
+
+    def _masters(self, stages, name: str) -> List[torch.Tensor]:
+        if self.stage not in stages:
+            raise AttributeError(f"ZeroOptimizer.{name} is DeepSpeed's attribute at ZeRO stage "
+                                 f"{' / '.join(map(str, stages))}, this optimizer runs stage {self.stage}")
+        if self.nvme is not None:
+            raise RuntimeError(f"ZeroOptimizer.{name}: the fp32 masters live on NVMe; read them inside "
+                               "`with engine.optimizer.materialized():` as flat_groups[i].master, or per parameter "
+                               "with deepspeed.utils.safe_get_full_fp32_param")
+        return [g.master for g in self.flat_groups]
 
     # torch.optim.Optimizer's surface, delegated
     @property
@@ -121,9 +163,36 @@ class ZeroOptimizer:
         for g in self.flat_groups:
             if not g.grad.is_cpu:
                 sq += g.grad_sq_norm()
+        if self.model_parallel is not None:
+            return self._sq_norm_over_model_parallel(sq)
         if self.stage >= 1 and self.world > 1:
             comm.all_reduce(sq, group=self.pg)
         return sq.item()
+
+    def _sq_norm_over_model_parallel(self, sq: torch.Tensor) -> float:
+        """With an mpu (comm/mpu.py): the data-parallel sum, then the sum over the model-parallel group, where
+        a parameter not split across model-parallel ranks counts on model-parallel rank 0 only."""
+        mp = self.model_parallel
+        both = torch.stack([sq, self._replicated_sq().to(sq.device)])
+        if self.stage >= 1 and self.world > 1:
+            comm.all_reduce(both, group=self.pg)
+        mine = both[0] if mp.mp_rank == 0 else both[0] - both[1]
+        comm.all_reduce(mine, group=mp.mp_group)
+        return mine.item()
+
+    def _replicated_sq(self) -> torch.Tensor:
+        """Sum of squares of this rank's gradient of the parameters not marked model-parallel (fp64)."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for g in self.flat_groups:
+            if hasattr(g, "fragments"):  # stages 0-2: the parameters' runs inside this rank's partition
+                runs = [(f.part_offset, f.length) for f in g.fragments
+                        if not is_model_parallel_parameter(g.params[f.param])]
+            else:  # stage 3: each parameter's piece, back to back
+                runs = [(off, n) for p, off, n in zip(g.params, g.offsets, g.shards)
+                        if not is_model_parallel_parameter(p)]
+            for start, length in runs:
+                sq += g.grad[start:start + length].double().pow(2).sum().cpu()
+        return sq
 
     def step(self) -> bool:
         """One optimizer step; False when it was skipped for an fp16 overflow."""

@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional, Union
 
 from ..comm import get_rank, get_world_size, is_initialized
 from ..config import ConfigError, load_config
+from ..config.batch import resolve_batch
 
 
 DeepSpeedConfigError = ConfigError  # DeepSpeed's name; what a bad config raises here (a ValueError)
@@ -34,6 +35,14 @@ class DeepSpeedConfig:
             self.world_size = get_world_size() if is_initialized() else 1
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
             self.config.resolve_batch(self.world_size)
+
+    def _configure_train_batch_size(self) -> None:
+        """Re-derive the batch triple from the three attributes as they are now (None: not given), as
+        DeepSpeed's method of this name does; an inconsistent triple raises ConfigError (an AssertionError,
+        DeepSpeed's type here)."""
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
+            resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                          self.gradient_accumulation_steps, self.world_size)
 
     # -- what people read -------------------------------------------------------------------------
     @property

@@ -27,7 +27,7 @@ Files, one noun each (docs/zero3.md has the design):
 - external.py: external parameters; gathered.py: GatheredParameters; generation.py: ``generation``, the
   whole model gathered for generation after a memory check; ds_surface.py: DeepSpeed's hook surface
   (``parameter_offload``, ``ds_external_parameters``) that TRL uses; leaf.py: leaf modules;
-  tiling.py: TiledLinear; unpartition.py: ``unpartition``.
+  tiling.py: TiledLinear, TiledLinearReturnBias; unpartition.py: ``unpartition``.
 - tree.py: tensors inside a module's inputs and outputs; internal.py: zero_ext's own tensor work,
   hidden from its TorchFunctionModes.
 - utils.py: DeepSpeed's ``deepspeed.runtime.zero.utils`` names.
@@ -44,13 +44,13 @@ from .param import ZeroParam, is_zero_param, zero_param_of
 from .status import TrainingPhase, ZeroParamStatus
 from .leaf import (get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module,
                    z3_leaf_parameter)
-from .tiling import TiledLinear
+from .tiling import TiledLinear, TiledLinearReturnBias
 from .unpartition import unpartition
 
 __all__ = [
     "Init", "MiCS_Init", "GatheredParameters", "unpartition", "register_external_parameter", "unregister_external_parameter",
     "ZeroParamStatus", "is_zero_param", "ZeroParam", "zero_param_of", "ZeroModel", "FetchOrderError",
-    "TrainingPhase", "partition_module", "TiledLinear", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-    "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError", "generation",
+    "TrainingPhase", "partition_module", "TiledLinear", "TiledLinearReturnBias", "set_z3_leaf_modules",
+    "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module", "z3_leaf_parameter", "PartitionedWriteError", "generation",
     "GenerationMemoryError",
 ]

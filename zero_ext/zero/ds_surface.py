@@ -8,7 +8,8 @@ TRL gathers the whole model, then removes and re-adds DeepSpeed's hooks through
 - ``.param_coordinator``: ``is_invalid_trace()``, ``_invalidate_trace()`` (a trace recorded with the
   hooks may not hold after generation forwards without them);
 - ``module.ds_external_parameters()``: (name, parameter) pairs of the parameters registered as external
-  to a module; ``param.ds_active_sub_modules``: the module calls holding it (param.py, ActiveSubModules).
+  to a module (``module._external_params``: the same, DeepSpeed's read-only dict by ``id(parameter)``);
+  ``param.ds_active_sub_modules``: the module calls holding it (param.py, ActiveSubModules).
 
 Here these are a view of ZeroModel's real hooks: one handle in ``forward_hooks`` stands for all module
 hooks (removing it is ``ZeroModel.remove_module_hooks``), and ``backward_hooks`` is empty, because our
@@ -19,9 +20,10 @@ from typing import Iterator, List, Tuple
 
 import torch
 
-from .external import external_parameters
+from .external import external_parameters, external_view
 
 _SURFACE_ATTR = "ds_external_parameters"
+_VIEW_ATTR = "_external_params"
 
 
 def _external_pairs(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Parameter]]:
@@ -29,15 +31,17 @@ def _external_pairs(module: torch.nn.Module) -> List[Tuple[str, torch.nn.Paramet
 
 
 def install_surface(root: torch.nn.Module) -> None:
-    """``ds_external_parameters()`` on ``root`` and each of its modules."""
+    """``ds_external_parameters()`` and ``_external_params`` on ``root`` and each of its modules."""
     for m in root.modules():
         if _SURFACE_ATTR not in m.__dict__:
             m.__dict__[_SURFACE_ATTR] = functools.partial(_external_pairs, m)
+        m.__dict__.setdefault(_VIEW_ATTR, external_view(m))
 
 
 def remove_surface(root: torch.nn.Module) -> None:
     for m in root.modules():
         m.__dict__.pop(_SURFACE_ATTR, None)
+        m.__dict__.pop(_VIEW_ATTR, None)
 
 
 class _ModuleHooksHandle:

@@ -24,7 +24,8 @@ partitioned parameter and torch raises its shape error; register such a paramete
 ``detect_external_params=False`` turns the detector off (then register by hand).
 """
 import weakref
-from typing import Callable, Dict, Iterator, List
+from types import MappingProxyType
+from typing import Callable, Dict, Iterator, List, Mapping
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -68,6 +69,12 @@ def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.P
                            f"external to module {type(module).__name__}")
     del params[id(parameter)]
     _VERSION[0] += 1
+
+
+def external_view(module: torch.nn.Module) -> Mapping[int, torch.nn.Parameter]:
+    """A live read-only view of ``module``'s external parameters, keyed by ``id(parameter)`` (DeepSpeed's
+    ``module._external_params``)."""
+    return MappingProxyType(_EXTERNAL.setdefault(module, {}))
 
 
 def external_parameters(module: torch.nn.Module) -> List[torch.nn.Parameter]:

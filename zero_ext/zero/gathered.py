@@ -36,7 +36,10 @@ def adopt_values_of(group_rank: int, params: Sequence[ZeroParam]) -> None:
 class GatheredParameters:
     """Gather ``params`` (a tensor or an iterable of tensors) on enter; partition them again on exit.
 
-    - ``modifier_rank=None``: changes made inside the block are discarded (each rank's piece is kept).
+    - ``modifier_rank=None``: changes made inside the block are discarded (each rank's piece is kept);
+      with ``zero_optimization.enable_sanity_checks`` (parameters made by zero.Init or the engine under
+      such a config) a change is an error instead: RuntimeError on every rank at exit (one all-gather
+      of a flag then, as DeepSpeed's all-reduce).
     - ``modifier_rank=r`` (a rank of the parameters' group; with MiCS a global rank): on exit rank
       ``r``'s full values are broadcast, each rank keeps its part as its new piece, and each parameter's
       update hooks run (``ZeroParam.register_update_hook``: where the engine's fp32 master copy follows).
@@ -54,6 +57,7 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.params: List[ZeroParam] = []
         self._pinned = []  # (GatherMeter, parameters of its model this block holds), while entered
+        self._versions = None  # read-only blocks under sanity checks: (param, data_ptr, _version) at entry
         if not enabled:
             return
         if isinstance(params, torch.Tensor):
@@ -77,6 +81,8 @@ class GatheredParameters:
         fetch(self.params, self, FetchSite(FetchKind.GATHERED), check=False)
         for zp in self.params:
             zp.expect_views()  # the block may keep views of the values (t = p.detach().numpy())
+        if self.modifier_rank is None and any(zp.sanity_checks for zp in self.params):
+            self._versions = [(zp.param, zp.param.data_ptr(), zp.param._version) for zp in self.params]
         self._pin(1)
         return None
 
@@ -109,13 +115,33 @@ class GatheredParameters:
     def __exit__(self, exc_type, exc, tb):
         # the broadcast runs even after an exception, so that a rank that failed alone does not leave
         # the others waiting in it
+        modified = False
         try:
             self._pin(-1)
             if self.modifier_rank is not None:
                 adopt_values_of(self.modifier_rank, self.params)
+            elif self._versions is not None:
+                modified = self._modified_on_any_rank()
         finally:
+            self._versions = None
             release(self.params, self)
+        if modified:
+            raise RuntimeError("GatheredParameters(modifier_rank=None): an in-place modification of a gathered "
+                               "ZeRO-3 parameter was made on some rank; such changes are discarded. Give "
+                               "modifier_rank=<rank> to keep that rank's values on every rank")
         return False
+
+    def _modified_on_any_rank(self) -> bool:
+        mine = int(any(p.data_ptr() != ptr or p._version != version for p, ptr, version in self._versions))
+        groups = {}
+        for zp in self.params:
+            groups.setdefault(zp.group, zp)
+        flags = []
+        with internal.section():  # every group's agreement runs (the same groups, in ds_id order, on every rank)
+            for group, zp in groups.items():
+                device = collectives.check_device(group, zp.compute_device)
+                flags += [row[0] for row in collectives.agree([mine], group, device)]
+        return any(flags)
 
     def __repr__(self) -> str:
         return f"GatheredParameters({len(self.params)} parameters, modifier_rank={self.modifier_rank})"

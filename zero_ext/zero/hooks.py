@@ -9,6 +9,8 @@ Only PyTorch's public hook points are used (FSDP2's scheme; nothing is patched):
   ``autograd.Function``;
 - forward post-hook (``always_call=True``, so an exception in forward still releases and unwinds):
   register a tensor hook on each output that requires grad (the *pre-backward* hook), then release;
+  a parameter the forward returns (a bias for the caller to add) is handed up first: external to the
+  caller, held by its call (model.py, ``hand_up_returned``), so it stays gathered for the caller;
 - pre-backward (an output's gradient has been computed, so the module's backward is next): gather
   again, once per call;
 - post-backward (``PostBackward.backward`` runs once the gradients of the module's inputs exist, i.e.
@@ -46,6 +48,25 @@ from .tree import map_tensors, mappable_tensors, tensors_in
 
 if TYPE_CHECKING:
     from .model import ZeroModel
+
+
+def returned_params(output) -> List[ZeroParam]:
+    """The ZeRO-3 parameters among a forward's outputs, looked for where DeepSpeed looks: the output
+    itself, the items of a returned list / tuple, the values of a dict or of an object's attributes."""
+    if isinstance(output, torch.Tensor):
+        items = [output]
+    elif isinstance(output, (list, tuple)):
+        items = output
+    elif isinstance(output, dict):
+        items = output.values()
+    else:
+        items = getattr(output, "__dict__", {}).values()
+    found = {}
+    for t in items:
+        zp = zero_param_of(t) if isinstance(t, torch.Tensor) else None
+        if zp is not None:
+            found[id(zp)] = zp
+    return list(found.values())
 
 
 class ModuleCall:
@@ -181,6 +202,9 @@ class ModuleState:
             call = model.top()
             if call is not None and call.state is self:  # else our pre-hook never ran (an earlier hook raised)
                 model.pop()
+                if output is not None and model.top() is not None:
+                    for zp in returned_params(output):
+                        model.hand_up_returned(zp, module)
                 if call.params and output is not None and torch.is_grad_enabled():
                     hook = functools.partial(self.pre_backward, call)
                     for t in tensors_in(output):

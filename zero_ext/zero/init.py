@@ -163,6 +163,7 @@ class _InitSession:
         self.group, self.device, self.dtype = init.group, init.device, init.dtype
         self.remote_device, self.pin_memory = init.remote_device, init.pin_memory
         self.nvme = init.nvme  # remote_device "nvme": the pieces go to swap files as they are made
+        self.sanity_checks = init.sanity_checks
         self.depth = 0  # nested Init contexts inside this one
         self.pending: List[_Pending] = []
         self.materialiser = Materialiser()
@@ -232,6 +233,7 @@ class _InitSession:
         labels = {id(param): label for param, label in ready}
         for zp in converted:
             zp.rename(labels[id(zp.param)])
+            zp.sanity_checks = self.sanity_checks
             if self.nvme is not None:
                 self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
 
@@ -308,6 +310,7 @@ class Init(contextlib.ContextDecorator):
         self.override_module_apply = True
         self.mem_efficient_linear = mem_efficient_linear
         self.nvme = None
+        self.sanity_checks = False
         if config_dict_or_path is not None:
             remote_device, pin_memory, dtype = self._read_config(config_dict_or_path, remote_device, pin_memory,
                                                                  dtype)
@@ -325,7 +328,8 @@ class Init(contextlib.ContextDecorator):
         self.group = convert.resolve_group(data_parallel_group, mpu)
         convert.check_single_rank_group(self.group)
         if module is not None:
-            convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device)
+            for zp in convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device):
+                zp.sanity_checks = self.sanity_checks
 
     def _read_config(self, source, remote_device, pin_memory, dtype):
         cfg = load_config(source)
@@ -336,6 +340,7 @@ class Init(contextlib.ContextDecorator):
                 and zc.offload_param.nvme_path:
             self.nvme = _InitSwap(zc.offload_param, cfg.aio)
         self.override_module_apply = zc.override_module_apply
+        self.sanity_checks = zc.enable_sanity_checks
         self.mem_efficient_linear = zc.memory_efficient_linear
         if dtype is None:
             dtype = torch.bfloat16 if cfg.bf16.enabled else torch.half if cfg.fp16.enabled else torch.float32

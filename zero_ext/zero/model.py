@@ -36,7 +36,8 @@ from torch.utils.hooks import RemovableHandle
 from . import convert, internal
 from .coordinator import PrefetchCoordinator
 from .ds_surface import install_surface, remove_surface
-from .external import ExternalUseDetector, register_external_parameter
+from .external import (ExternalUseDetector, external_parameters, register_external_parameter,
+                       unregister_external_parameter)
 from .fetch import FetchSite, fetch, release
 from .leaf import z3_leaf_module
 from .meter import GatherMeter
@@ -253,6 +254,23 @@ class ZeroModel:
         call.params.append(zp)
         with internal.section():
             self.coordinator.fetch(call, FetchKind.EXTERNAL, [zp])
+
+    def hand_up_returned(self, zp: ZeroParam, child: torch.nn.Module) -> None:
+        """``zp`` is in what ``child``'s forward returned (a bias left for the caller to add): as in
+        DeepSpeed, it becomes external to the innermost module still running, whose call holds it, so it
+        stays gathered when ``child`` releases. Nothing changes when a running call holds it already (from
+        the next step on: the caller's own gather)."""
+        caller = self.top()
+        if caller is None or zp.persist or any(zp.held_by(c) for c in self._stack):
+            return
+        if any(p is zp.param for p in external_parameters(child)):  # handed up once more: the outer caller's now
+            unregister_external_parameter(child, zp.param)
+        logger.debug("%s is returned by the forward of %r: registered as external to %r", zp.name,
+                     type(child).__name__, caller.state.name)
+        register_external_parameter(caller.state.module, zp.param)
+        caller.params.append(zp)
+        with internal.section():
+            self.coordinator.fetch(caller, FetchKind.EXTERNAL, [zp])
 
     def queue_end_of_backward(self) -> None:
         if not self._callback_queued:

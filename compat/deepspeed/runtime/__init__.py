@@ -1,2 +1,3 @@
 """``deepspeed.runtime``: zero_ext.runtime's import paths."""
-from . import activation_checkpointing, config, engine, lr_schedules, zero  # noqa: F401
+from . import (activation_checkpointing, config, config_utils, engine, lr_schedules, precision_config,  # noqa: F401
+               zero)

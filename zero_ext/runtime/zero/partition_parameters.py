@@ -15,3 +15,7 @@ _orig_torch_arange = torch.arange
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
     """Unused by zero_ext (see above); returns ``fn`` unchanged."""
     return fn
+
+
+#: The shape of a partitioned parameter's own ``.data`` (its piece is ``ds_tensor``): empty, as in DeepSpeed.
+partitioned_param_data_shape = [0]

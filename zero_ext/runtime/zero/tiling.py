@@ -1,2 +1,2 @@
 """``deepspeed.runtime.zero.tiling`` names."""
-from ...zero.tiling import TiledLinear  # noqa: F401
+from ...zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero.partition_parameters``."""
 from zero_ext.runtime.zero.partition_parameters import (GatheredParameters, Init, ZeroParamStatus,  # noqa: F401
                                                         _orig_torch_arange, get_accelerator,
-                                                        register_external_parameter, unregister_external_parameter,
+                                                        partitioned_param_data_shape, register_external_parameter,
+                                                        unregister_external_parameter,
                                                         zero_wrapper_for_fp_tensor_constructor)

@@ -1,2 +1,2 @@
 """``deepspeed.runtime.zero.tiling``."""
-from zero_ext.runtime.zero.tiling import TiledLinear  # noqa: F401
+from zero_ext.runtime.zero.tiling import TiledLinear, TiledLinearReturnBias  # noqa: F401
