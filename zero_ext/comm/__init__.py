@@ -14,6 +14,8 @@ Files:
   until they let go (``settle`` after a step, ``drain`` at exit): see [Note: the exit race] there.
 - collective_check.py: every rank must call a collective API; one that does not fails with an
   explanation instead of hanging the others.
+- departures.py: a rank that leaves says why in the store, so the others' failed torch.distributed
+  collectives raise a CommError naming it.
 - traffic.py: the bytes the facade's collectives send, in all and across nodes (off unless started).
 """
 from .collectives import (ReduceOp, all_gather, all_gather_base, all_gather_coalesced,  # noqa: F401
