@@ -192,6 +192,7 @@ static struct zx_comm_op *op_new(const char *verb, int nsegs, int nreads, int nr
 	op->reads = (struct zx_comm_read *)(op->segs + nsegs);
 	op->reds = (struct zx_comm_red *)(op->reads + nreads);
 	op->scale = 1.0;
+	op->dtype = op->redop = -1; /* a movement (reductions set theirs): what the op's stamp shows */
 	atomic_init(&op->refs, 2);
 	return op;
 }
@@ -446,4 +447,15 @@ int zx_comm_all_to_all_v(struct zx_comm *comm, const void *in, void *out, const 
 	if (!counts)
 		return -EINVAL;
 	return all_to_all(comm, in, out, counts, 0, opp);
+}
+
+int zx_comm_agree(struct zx_comm *comm, const char *label, double timeout_s, struct zx_comm_op **opp)
+{
+	struct zx_comm_op *op = op_new("agree", 0, 0, 0);
+	if (!op)
+		return -ENOMEM;
+	snprintf(op->label, sizeof(op->label), "%s", label);
+	op->verb = op->label;
+	op->timeout_s = timeout_s;
+	return enqueue(comm, op, opp);
 }

@@ -25,7 +25,9 @@
  * Errors: functions return 0 or -errno and never print or exit. A failed op leaves a message
  * (zx_comm_op_error) naming the collective and the rank at fault; -ETIMEDOUT: a rank did not arrive
  * within the timeout; -EPIPE: a rank died (its process ended without leaving); -ECONNRESET: a rank
- * left (destroyed its communicator, or gave up after its own error). After an error every later op
+ * left (destroyed its communicator, or gave up after its own error); -EPROTO: the ranks called different
+ * collectives (each op's first round carries its name, number, size and reduction, compared by every
+ * rank before any byte moves: the message names this rank's op and the other's). After an error every later op
  * fails at once with the first error's message: ranks cannot resynchronise within one communicator.
  * A child process after fork() gets -EOWNERDEAD.
  */
@@ -37,6 +39,7 @@
 #define ZX_COMM_ID_BYTES 64	    /* a unique id, NUL-terminated */
 #define ZX_COMM_MAX_WORLD 1024	    /* ranks of one communicator */
 #define ZX_COMM_ERROR_BYTES 256	    /* an op's message, NUL-terminated */
+#define ZX_COMM_LABEL_BYTES 32	    /* an op's name as the ranks compare it (zx_comm_agree's label) */
 
 enum zx_comm_transport { ZX_COMM_SHM = 1 };
 
@@ -115,6 +118,11 @@ int zx_comm_all_to_all(struct zx_comm *comm, const void *in, void *out, int64_t 
  * `in` in destination order; chunk s of `out` holds what rank s sent, end to end in source order. */
 int zx_comm_all_to_all_v(struct zx_comm *comm, const void *in, void *out, const int64_t *counts,
 			 struct zx_comm_op **op);
+
+/* A barrier named `label` (up to ZX_COMM_LABEL_BYTES - 1 characters are compared): the ranks agree that
+ * they all reached the same point, e.g. "save_checkpoint". timeout_s > 0 bounds its wait instead of the
+ * communicator's timeout. */
+int zx_comm_agree(struct zx_comm *comm, const char *label, double timeout_s, struct zx_comm_op **op);
 
 /* --- handles ------------------------------------------------------------------------------------ */
 

@@ -43,6 +43,8 @@ struct zx_comm_op {
 	int dtype, redop;
 	double scale;
 	int split; /* an all-reduce run as reduce-scatter + all-gather within each round (comm_shm.c) */
+	double timeout_s; /* > 0: this op's own bound on its waits (zx_comm_agree), else the communicator's */
+	char label[ZX_COMM_LABEL_BYTES]; /* zx_comm_agree's name (verb points here) */
 
 	struct zx_comm_op *next; /* the queue */
 	_Atomic uint32_t done;	 /* a futex word: 0 until the op ran */

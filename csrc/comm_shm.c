@@ -162,7 +162,7 @@ static int create_segment(struct zx_shm *s, int world, int64_t slot_bytes, char 
 	}
 	s->h = map;
 	s->h->world = world;
-	s->h->version = 1;
+	s->h->version = 2; /* 2: seats carry op stamps */
 	s->h->slot_bytes = slot_bytes;
 	s->h->data_offset = data_offset;
 	s->h->total_bytes = total;
@@ -334,8 +334,8 @@ static int check_missing(struct zx_comm *comm, struct zx_comm_op *op, uint64_t r
 			return -EPIPE;
 		}
 	}
-	double waited = now_s() - start;
-	if (waited < comm->timeout_s)
+	double waited = now_s() - start, timeout = op->timeout_s > 0 ? op->timeout_s : comm->timeout_s;
+	if (waited < timeout)
 		return 0;
 	int n = snprintf(op->error, sizeof(op->error), "%s #%lld: rank", op->verb, (long long)op->seq);
 	int count = 0;
@@ -343,7 +343,7 @@ static int check_missing(struct zx_comm *comm, struct zx_comm_op *op, uint64_t r
 		n += snprintf(op->error + n, sizeof(op->error) - n, "%s %d", count ? "," : "", r);
 	snprintf(op->error + n, sizeof(op->error) - n,
 		 " did not arrive within %.0f s (alive: stuck elsewhere, or on a branch the others did not "
-		 "take)", comm->timeout_s);
+		 "take)", timeout);
 	return -ETIMEDOUT;
 }
 

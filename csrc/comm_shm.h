@@ -21,11 +21,21 @@
 
 enum { SEAT_EMPTY = 0, SEAT_IN = 1, SEAT_LEFT = 2, SEAT_FAILED = 3 };
 
+/* What a rank runs, written into its seat before the first barrier of an op (per slot set, whose reuse
+ * rule keeps it until every rank has read it) and compared by every rank after that barrier, before any
+ * byte is read out of the slots: ranks in different collectives fail at once, each naming both. */
+struct shm_stamp {
+	int64_t seq, span;  /* the op's number on this communicator, its bytes (op->span) */
+	int32_t dtype, redop; /* -1 for movements */
+	char verb[ZX_COMM_LABEL_BYTES];
+};
+
 struct shm_seat {
 	_Atomic uint64_t arrived; /* the last round this rank arrived at */
 	_Atomic uint32_t state;
 	int32_t pid;
 	char reason[SHM_REASON_BYTES]; /* why it left, written before state */
+	struct shm_stamp stamp[2];     /* by slot set */
 } __attribute__((aligned(256)));
 
 struct shm_header {

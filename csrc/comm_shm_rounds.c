@@ -78,6 +78,46 @@ static int run_jobs(struct run_ctx *ctx, int64_t bytes)
 	return atomic_load(&ctx->status);
 }
 
+/* The op's stamp (comm_shm.h) into this rank's seat, for the first round of the op, at slot set `set`. */
+static void stamp_op(struct zx_shm *s, int me, const struct zx_comm_op *op, uint64_t set)
+{
+	struct shm_stamp *st = &shm_seat_of(s, me)->stamp[set & 1];
+	st->seq = op->seq;
+	st->span = op->span;
+	st->dtype = op->dtype; /* (a reduce's too on the ranks that receive nothing) */
+	st->redop = op->redop;
+	snprintf(st->verb, sizeof(st->verb), "%s", op->verb);
+}
+
+static int describe(char *buf, size_t len, const struct shm_stamp *st)
+{
+	static const char *redops[] = { "sum", "avg", "max", "min" };
+	if (st->dtype < 0)
+		return snprintf(buf, len, "%.31s #%lld (%lld bytes)", st->verb, (long long)st->seq, (long long)st->span);
+	return snprintf(buf, len, "%.31s #%lld (%lld bytes, dtype %d, %s)", st->verb, (long long)st->seq,
+			(long long)st->span, st->dtype, st->redop >= 0 && st->redop < 4 ? redops[st->redop] : "?");
+}
+
+/* After the first barrier of an op: every rank's stamp equals this rank's, else -EPROTO naming both. */
+static int check_stamps(struct zx_comm *comm, struct zx_comm_op *op, uint64_t set)
+{
+	const struct zx_shm *s = comm->shm;
+	const struct shm_stamp *mine = &shm_seat_of(s, comm->rank)->stamp[set & 1];
+	for (int r = 0; r < s->h->world; r++) {
+		const struct shm_stamp *st = &shm_seat_of(s, r)->stamp[set & 1];
+		if (st->seq == mine->seq && st->span == mine->span && st->dtype == mine->dtype &&
+		    st->redop == mine->redop && !strncmp(st->verb, mine->verb, sizeof(st->verb)))
+			continue;
+		char a[96], b[96];
+		describe(a, sizeof(a), mine);
+		describe(b, sizeof(b), st);
+		snprintf(op->error, sizeof(op->error), "ranks in different collectives: rank %d in %.80s, rank %d in %.80s",
+			 comm->rank, a, r, b);
+		return -EPROTO;
+	}
+	return 0;
+}
+
 /* [lo, hi) = [a, a + n) ∩ [w0, w1); 0 when empty. */
 static int overlap(int64_t a, int64_t n, int64_t w0, int64_t w1, int64_t *lo, int64_t *hi)
 {
@@ -143,7 +183,11 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 		rc = run_jobs(&ctx, moved);
 	if (rc < 0)
 		return fail_jobs(op, rc);
+	if (w0 == 0)
+		stamp_op(s, comm->rank, op, ctx.set);
 	rc = zx_shm_arrive(comm, op, ctx.round);
+	if (rc == 0 && w0 == 0)
+		rc = check_stamps(comm, op, ctx.set);
 	if (rc < 0)
 		return rc;
 	moved = 0;
@@ -189,7 +233,11 @@ static int split_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, 
 		rc = run_jobs(&ctx, (n - (hi_me - lo_me)) * size);
 	if (rc < 0)
 		return fail_jobs(op, rc);
+	if (w0 == 0)
+		stamp_op(s, me, op, ctx.set);
 	rc = zx_shm_arrive(comm, op, ctx.round);
+	if (rc == 0 && w0 == 0)
+		rc = check_stamps(comm, op, ctx.set);
 	if (rc < 0)
 		return rc;
 	rc = add_job(s, mine + lo_me * size, in + lo_me * size, lo_me * size, (hi_me - lo_me) * size, 1);

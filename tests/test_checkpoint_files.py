@@ -49,23 +49,24 @@ def _failed_resave_keeps_the_old(root):
     engine.save_checkpoint(root, tag="t")
     saved = _values(engine)
     _train(engine, 2)
-    real = ck.atomic_torch_save
+    real = ck.write_torch_file
 
     def failing(obj, path, **kwargs):
         raise OSError(28, "No space left on device (injected)", path)
 
-    ck.atomic_torch_save = failing
+    ck.write_torch_file = failing
     try:
         engine.save_checkpoint(root, tag="t")
         error = None
-    except OSError as exc:
-        error = exc.strerror
+    except ck.CheckpointError as exc:
+        error = str(exc)
     finally:
-        ck.atomic_torch_save = real
+        ck.write_torch_file = real
     _train(engine, 3)
     path, _ = engine.load_checkpoint(root, tag="t")
     kept = _same(_values(engine), saved)
-    engine.save_checkpoint(root, tag="t")  # the next save clears the failed one's folder
+    engine.save_checkpoint(root, tag="t")
+    engine.wait_for_checkpoint()
     hidden = sorted(n for n in os.listdir(root) if n.startswith("."))
     engine.destroy()
     return error, os.path.basename(path), kept, hidden
@@ -73,7 +74,7 @@ def _failed_resave_keeps_the_old(root):
 
 def test_a_failed_save_to_an_existing_tag_keeps_the_previous_checkpoint(tmp_path):
     for error, path, kept, hidden in run_ranks(2, _failed_resave_keeps_the_old, str(tmp_path)):
-        assert error == "No space left on device (injected)"
+        assert "nothing was published" in error and "No space left on device (injected)" in error
         assert path == "t" and kept
         assert hidden == []
 
@@ -130,6 +131,97 @@ def test_a_save_killed_at_any_moment_leaves_one_whole_checkpoint_under_the_tag(t
     assert len(values) == 1  # one save's weights, all equal: never a mix of two saves
 
 
+BLOCKED_PUBLISH = textwrap.dedent("""
+    import os, sys, time, torch, zero_ext
+    import zero_ext.checkpoint.engine_state as ck
+    sys.path.insert(0, {tests!r})
+    from helpers.models import MLP
+    torch.manual_seed(0)
+    engine = zero_ext.initialize(model=MLP(), config={{"train_micro_batch_size_per_gpu": 2,
+        "optimizer": {{"type": "AdamW"}}, "zero_optimization": {{"stage": 1}}}})[0]
+
+    def fill(k):
+        with torch.no_grad():
+            for p in engine.module.parameters():
+                p.fill_(k)
+            for g in engine.optimizer.flat_groups:
+                g.master.copy_(g.flat[g.lo:g.hi])
+
+    fill(1.0)
+    engine.save_checkpoint({root!r}, tag="t")
+    engine.wait_for_checkpoint()
+
+    def stuck(path):  # the background publish's first fsync never ends: the process is killed in it
+        os.write(1, b"publishing\\n")  # (one write: the main thread prints too)
+        time.sleep(3600)
+
+    ck.fsync_file = stuck
+    fill(2.0)
+    engine.save_checkpoint({root!r}, tag={tag!r})
+    os.write(1, b"returned\\n")
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.parametrize("tag", ["t", "u"], ids=["same-tag", "new-tag"])
+def test_a_save_killed_after_it_returned_but_before_its_publish_leaves_the_previous_checkpoint(tmp_path, tag):
+    root = str(tmp_path / "ckpt")
+    script = tmp_path / "saver.py"
+    script.write_text(BLOCKED_PUBLISH.format(tests=os.path.join(ROOT, "tests"), root=root, tag=tag))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    said = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}  # (the two threads' order varies)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert said == {"publishing", "returned"}
+    assert (tmp_path / "ckpt" / "latest").read_text() == "t"
+    assert sorted(os.listdir(root)) == [f".{tag}.saving", "latest", "t", "zero_to_fp32.py"]
+    assert run_ranks(1, _load_whole, root)[0] == {1.0}  # the first save, whole
+
+
+def _failed_publish(root):
+    import zero_ext.checkpoint.engine_state as ck
+    from zero_ext.checkpoint.publish import CheckpointPublishError
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="a")
+    engine.wait_for_checkpoint()
+    saved = _values(engine)
+    real = ck.publish_dir
+
+    def failing(staging, final, aside):
+        if final.endswith("b"):
+            raise OSError(5, "Input/output error (injected)", final)
+        return real(staging, final, aside)
+
+    ck.publish_dir = failing  # (rank 0 publishes)
+    _train(engine, 2)
+    returned = engine.save_checkpoint(root, tag="b")  # the failure comes after it returned
+    outcomes = []
+    for call in (lambda: engine.save_checkpoint(root, tag="c"), lambda: engine.save_checkpoint(root, tag="c")):
+        try:
+            call()
+            outcomes.append("ok")
+        except CheckpointPublishError as exc:
+            outcomes.append(str(exc))
+    engine.wait_for_checkpoint()
+    latest = open(os.path.join(root, "latest")).read()
+    engine.load_checkpoint(root, tag="a")
+    kept = _same(_values(engine), saved)
+    engine.destroy()
+    return returned, outcomes, latest, kept
+
+
+def test_a_failed_background_publish_is_a_named_error_at_the_next_call_on_every_rank(tmp_path):
+    for returned, outcomes, latest, kept in run_ranks(2, _failed_publish, str(tmp_path)):
+        assert returned is True
+        assert "save_checkpoint(" in outcomes[0] and "tag='b') returned, but its checkpoint was not published" in \
+            outcomes[0] and "Input/output error (injected)" in outcomes[0]
+        assert outcomes[1] == "ok" and latest == "c"  # reported once; the next save works
+        assert kept
+
+
 def test_temporary_files_of_dead_processes_are_reaped(tmp_path):
     from zero_ext.checkpoint.files import reap_temporary_files
 
@@ -153,6 +245,7 @@ def _bad_tags(root):
         except CheckpointError as exc:
             errors.append(str(exc))
     engine.save_checkpoint(root, tag="good")
+    engine.wait_for_checkpoint()  # (`latest` is written by the save's background publish)
     for content in (os.path.join(root, "good"), "../good"):
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(content)
@@ -178,6 +271,7 @@ def _replaced_aside(root):
     engine = _engine()
     _train(engine, 1)
     engine.save_checkpoint(root, tag="t")
+    engine.wait_for_checkpoint()
     saved = _values(engine)
     os.rename(os.path.join(root, "t"), replaced_dir(root, "t"))  # as a save killed between two renames leaves it
     _train(engine, 2)
@@ -200,7 +294,7 @@ def _damaged_shard(root):
     engine = _engine()
     _train(engine, 1)
     engine.save_checkpoint(root, tag="t")
-    torch.distributed.barrier()
+    engine.wait_for_checkpoint()
     if torch.distributed.get_rank() == 0:
         path = os.path.join(root, "t", ck.optim_file(1, False))
         data = bytearray(open(path, "rb").read())

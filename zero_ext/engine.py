@@ -26,7 +26,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import activation_checkpointing, comm
-from .checkpoint.engine_state import check_all_ranks_call, load_checkpoint, save_checkpoint
+from .checkpoint import publish
+from .checkpoint.engine_api import CheckpointMethods
+from .checkpoint.engine_state import check_all_ranks_call
 from .checkpoint.files import atomic_torch_save
 from .config.errors import EngineUsageError
 from .offload import states as offload_state
@@ -84,7 +86,7 @@ def engine_of_module(module) -> Optional["ZeroEngine"]:
     return ref() if ref is not None else None
 
 
-class ZeroEngine(torch.nn.Module):
+class ZeroEngine(CheckpointMethods, torch.nn.Module):
     """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
     engine), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
     the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
@@ -508,23 +510,7 @@ class ZeroEngine(torch.nn.Module):
             out += [g.flat for g in (self.optimizer.flat_groups if self.optimizer is not None else [])]
         return out
 
-    # -- checkpoints (checkpoint/engine_state.py) -------------------------------------------------------------------
-
-    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> bool:
-        """Collective: every rank writes its shard; see docs/checkpoints.md."""
-        self._require_alive("save_checkpoint")  # (its optimizer state is gone: the checkpoint would be incomplete)
-        with self._state_in_memory(modified=False):
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-
-    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
-                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None):
-        """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
-        self._require_alive("load_checkpoint")
-        with self._state_in_memory(modified=True):
-            return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                   load_lr_scheduler_states, load_module_only, custom_load_fn)
+    # -- checkpoints (save/load/wait: checkpoint/engine_api.py) -----------------------------------------------
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
         """The model's weights in their training dtype, whole (stage 3: gathered; collective there)."""
@@ -598,3 +584,4 @@ class ZeroEngine(torch.nn.Module):
             self.zero_model = None
         comm.drain()  # nothing of this engine's collectives left with the backend ([Note: the exit race])
         self._advance("destroy", "engine.destroy")
+        publish.wait()  # rank 0: a save still being published ends first (its failure is raised here)

@@ -379,6 +379,18 @@ static PyObject *comm_barrier(PyObject *obj, PyObject *unused)
 	return op_wrap((comm_object *)obj, rc, op, "barrier");
 }
 
+static PyObject *comm_agree(PyObject *obj, PyObject *args)
+{
+	const char *label;
+	double timeout_s = 0;
+	struct zx_comm *comm = comm_live((comm_object *)obj);
+	if (!comm || !PyArg_ParseTuple(args, "s|d:agree", &label, &timeout_s))
+		return NULL;
+	struct zx_comm_op *op;
+	int rc = zx_comm_agree(comm, label, timeout_s, &op);
+	return op_wrap((comm_object *)obj, rc, op, "agree");
+}
+
 static PyObject *comm_get_int(PyObject *obj, void *which)
 {
 	struct zx_comm *comm = comm_live((comm_object *)obj);
@@ -413,6 +425,8 @@ static PyMethodDef comm_methods[] = {
 	{ "broadcast", comm_broadcast, METH_VARARGS, "broadcast(buf, nbytes, root) -> CommOp" },
 	{ "scatter", comm_scatter, METH_VARARGS, "scatter(in, out, nbytes, root) -> CommOp" },
 	{ "barrier", comm_barrier, METH_NOARGS, "barrier() -> CommOp" },
+	{ "agree", comm_agree, METH_VARARGS,
+	  "agree(label, timeout_s=0) -> CommOp: a barrier the ranks pass only under the same label" },
 	{ "unlink", comm_unlink, METH_NOARGS, "Rank 0, once every rank joined: removes the segment's name." },
 	{ "destroy", comm_destroy, METH_NOARGS, "Waits for the ops in flight, leaves, frees (idempotent)." },
 	{ NULL, NULL, 0, NULL },

@@ -16,6 +16,7 @@ import atexit
 import multiprocessing as mp
 import os
 import socket
+import sys
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -64,6 +65,11 @@ def _worker_main(rank: int, world_size: int, conn) -> None:
             reply = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the test
             reply = ("error", f"{type(exc).__name__}: {exc}\n" + traceback.format_exc())
+        publisher = sys.modules.get("zero_ext.checkpoint.publish")
+        if publisher is not None:  # a save still being published ends with the case, as at a script's exit
+            unpublished = publisher.settle()
+            if unpublished is not None and reply[0] == "ok":
+                reply = ("error", f"CheckpointPublishError: {unpublished}")
         try:  # report before tearing the group down: peers then fail second, and the cause comes first
             conn.send(reply)
         except Exception as exc:  # an unpicklable result: say so rather than hang the test

@@ -29,9 +29,11 @@ import torch
 from .. import comm
 from . import layout as layout_of
 from ..comm import collective_check
-from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_torch_save, atomic_write_bytes, check_tag,
-                    find_tag_dir, fsync_dir, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir,
-                    staging_dir, verified_load)
+from ..comm import native
+from . import publish
+from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write_bytes, check_tag, find_tag_dir, fsync_dir,
+                    fsync_file, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir, staging_dir,
+                    verified_load, write_torch_file)
 from .serial_load import in_local_turns
 from .zero_to_fp32 import param_values, piece_values
 
@@ -120,75 +122,137 @@ def _refuse_model_parallel(engine, what: str) -> None:
 
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+    """Writes every rank's files into the tag's staging folder; rank 0 then makes them durable and
+    publishes the tag in the background ([Note: background publish] in publish.py)."""
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
     _refuse_model_parallel(engine, "save_checkpoint")
     check_all_ranks_call("save_checkpoint", engine.next_collective_seq())
     rank, world = engine.global_rank, engine.world_size
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}", "save_checkpoint's tag")
-    _validate_tag(engine, tag)
     final_dir = os.path.join(save_dir, tag)
     tag_dir = staging_dir(save_dir, tag)  # every rank writes here; rank 0 then puts it in place whole
+    problem = publish.settle()  # the previous save's publish (rank 0's)
+    if rank == 0 and problem is None:
+        problem = _prepare_staging(save_dir, tag_dir)
+    hosts = _agree_to_start(engine, tag, problem)
+    cfg = engine.config
+    stage = cfg.zero_optimization.stage
+    bf16 = cfg.bf16.enabled
+    digests, problem = {}, None
+    try:
+        # stage 0 replicates: rank 0's copy is the whole state; MiCS: shard group 0's (ranks 0 .. shard size - 1)
+        if (stage >= 1 and rank < engine.optimizer.world) or rank == 0:
+            name = optim_file(rank, bf16)
+            digests[name] = write_torch_file(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name))
+        if rank == 0:
+            state = _model_state(engine, exclude_frozen_parameters)
+            for key, value in (client_state or {}).items():
+                if key in STANDARD_KEYS:
+                    raise KeyError(f"save_checkpoint: client_state key {key!r} is reserved by the checkpoint format")
+                state[key] = value
+            digests[MODEL_FILE] = write_torch_file(state, os.path.join(tag_dir, MODEL_FILE))
+        if hosts[rank] != hosts[0]:  # rank 0's fsync would not reach this machine's page cache
+            for name in digests:
+                fsync_file(os.path.join(tag_dir, name))
+    except (OSError, KeyError) as exc:
+        problem = f"rank {rank}: {type(exc).__name__}: {exc}"
+    gathered = [None] * world if rank == 0 else None
+    if world > 1:
+        comm.gather_object((digests, problem), gathered, dst=0)
+    else:
+        gathered = [(digests, problem)]
     if rank == 0:
+        problem = "; ".join(p for _, p in gathered if p) or None
+        if problem is None:
+            files = {k: v for d, _ in gathered for k, v in d.items()}
+            manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world, "zero_stage": stage,
+                        "bf16": bf16, "layout": layout_of.describe(engine), "files": files}
+            try:
+                with open(os.path.join(tag_dir, MANIFEST), "wb") as f:
+                    f.write(json.dumps(manifest, indent=1).encode())
+                publish.start(f"save_checkpoint({save_dir!r}, tag={tag!r})",
+                              lambda: _publish(save_dir, tag, tag_dir, final_dir, [*files, MANIFEST], save_latest))
+            except OSError as exc:
+                problem = f"rank 0: {type(exc).__name__}: {exc}"
+    verdict = [problem]
+    if world > 1:  # rank 0's verdict (every rank's failures, the manifest) to all
+        verdict = [None] * world
+        comm.all_gather_object(verdict, problem if rank == 0 else None)
+    if verdict[0] is not None:
+        if rank == 0:
+            shutil.rmtree(tag_dir, ignore_errors=True)
+        raise CheckpointError(f"save_checkpoint({save_dir!r}, tag={tag!r}) failed, nothing was published: "
+                              f"{verdict[0]}")
+    return True
+
+
+def _prepare_staging(save_dir: str, tag_dir: str) -> Optional[str]:
+    """Rank 0: an empty staging folder (a killed save's leftovers removed). None, or what went wrong."""
+    try:
         os.makedirs(save_dir, exist_ok=True)
         reap_temporary_files(save_dir)
         shutil.rmtree(tag_dir, ignore_errors=True)  # a killed save's leftovers
         os.makedirs(tag_dir)
-    if world > 1:
-        comm.barrier()
-    cfg = engine.config
-    stage = cfg.zero_optimization.stage
-    bf16 = cfg.bf16.enabled
-    digests = {}
-    # stage 0 replicates: rank 0's copy is the whole state; MiCS: shard group 0's (ranks 0 .. shard size - 1)
-    if (stage >= 1 and rank < engine.optimizer.world) or rank == 0:
-        name = optim_file(rank, bf16)
-        digests[name] = atomic_torch_save(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name),
-                                          sync_dir=False)  # (rank 0 fsyncs the folder once, below)
-    if rank == 0:
-        state = _model_state(engine, exclude_frozen_parameters)
-        for key, value in (client_state or {}).items():
-            if key in STANDARD_KEYS:
-                raise KeyError(f"save_checkpoint: client_state key {key!r} is reserved by the checkpoint format")
-            state[key] = value
-        digests[MODEL_FILE] = atomic_torch_save(state, os.path.join(tag_dir, MODEL_FILE), sync_dir=False)
-    gathered = [None] * world if rank == 0 else None
-    if world > 1:
-        comm.gather_object(digests, gathered, dst=0)
+    except OSError as exc:
+        return f"rank 0 cannot make the folder {tag_dir}: {exc}"
+    return None
+
+
+def _agree_to_start(engine, tag: str, problem: Optional[str]) -> List[str]:
+    """One exchange before any file is written: every rank's tag (checkpoint.tag_validation), host, and
+    what keeps it from saving (the previous save's publish failed, the folder cannot be made), which
+    every rank then raises alike. Returns each rank's host."""
+    host = native.host_id()
+    if engine.world_size == 1:
+        rows = [(tag, host, problem)]
     else:
-        gathered = [digests]
-    if rank == 0:
-        files = {k: v for d in gathered for k, v in d.items()}
-        manifest = {"format_version": FORMAT_VERSION, "tag": tag, "world_size": world, "zero_stage": stage,
-                    "bf16": bf16, "layout": layout_of.describe(engine), "files": files}
-        atomic_write_bytes(os.path.join(tag_dir, MANIFEST), json.dumps(manifest, indent=1).encode(), sync_dir=False)
-        fsync_dir(tag_dir)  # every rank's files (renamed in before the gather above) and the manifest
-        publish_dir(tag_dir, final_dir, replaced_dir(save_dir, tag))
-        with open(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"), "rb") as f:
-            atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read(), sync_dir=not save_latest,
-                               if_changed=True)
-        if save_latest:
-            atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode())
-    if world > 1:
-        comm.barrier()
-    return True
+        rows = [None] * engine.world_size
+        comm.all_gather_object(rows, (tag, host, problem))
+    failed = [p for _, _, p in rows if p]
+    if failed:
+        if any("was not published" in p for p in failed):
+            raise publish.CheckpointPublishError("; ".join(failed))
+        raise CheckpointError("; ".join(failed))
+    mode = engine.config.checkpoint.tag_validation
+    tags = [t for t, _, _ in rows]
+    if mode != "IGNORE" and len(set(tags)) > 1:
+        msg = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
+        if mode == "FAIL":
+            raise TagMismatchError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    return [h for _, h, _ in rows]
+
+
+def _publish(save_dir: str, tag: str, tag_dir: str, final_dir: str, names: List[str], save_latest: bool) -> None:
+    """Rank 0, in the background: durable, then in place (see publish.py)."""
+    for name in names:
+        fsync_file(os.path.join(tag_dir, name))
+    fsync_dir(tag_dir)
+    mode = os.stat(os.path.join(tag_dir, MANIFEST)).st_mode & 0o777  # the umask of the save, not of now
+    publish_dir(tag_dir, final_dir, replaced_dir(save_dir, tag))
+    with open(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"), "rb") as f:
+        atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read(), sync_dir=not save_latest,
+                           if_changed=True, mode=mode)
+    if save_latest:
+        atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode(), mode=mode)
+
+
+def settle_publish(engine) -> None:
+    """Collective: waits for this process's save in flight to be published; a failure is the same
+    CheckpointPublishError on every rank (load_checkpoint and engine.wait_for_checkpoint call it)."""
+    problem = publish.settle()
+    problems = [problem]
+    if engine.world_size > 1:
+        problems = [None] * engine.world_size
+        comm.all_gather_object(problems, problem)
+    failed = [p for p in problems if p]
+    if failed:
+        raise publish.CheckpointPublishError("; ".join(failed))
 
 
 class TagMismatchError(CheckpointError, AssertionError):
     """checkpoint.tag_validation "FAIL": the ranks passed different tags (DeepSpeed asserts)."""
-
-
-def _validate_tag(engine, tag: str) -> None:
-    mode = engine.config.checkpoint.tag_validation
-    if mode == "IGNORE" or engine.world_size == 1:
-        return
-    tags = [None] * engine.world_size
-    comm.all_gather_object(tags, tag)
-    if len(set(tags)) > 1:
-        msg = f"checkpoint tags differ across ranks: {tags}; pass the same tag on every rank"
-        if mode == "FAIL":
-            raise TagMismatchError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
@@ -258,6 +322,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         raise ValueError("load_checkpoint: custom_load_fn is not supported by zero_ext")
     _refuse_model_parallel(engine, "load_checkpoint")
     check_all_ranks_call("load_checkpoint", engine.next_collective_seq())
+    settle_publish(engine)  # a save of this run still being published is loadable once it is
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.exists(latest):
@@ -275,7 +340,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         if not os.path.isdir(tag_dir):
             raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
         manifest = read_manifest(tag_dir)
-        state = verified_load(tag_dir, MODEL_FILE, manifest)
+        state = verified_load(tag_dir, MODEL_FILE, manifest, mapped=True)
         saved = manifest["layout"]
         _check_layout(engine, saved, tag_dir)
         # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone
@@ -308,10 +373,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     _refresh_weights(engine)
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            engine.lr_scheduler.load_state_dict(_owned(state["lr_scheduler"]))
         engine.restore_counters(state)
     engine.zero_grad()  # no gradients carry over a load
-    client_state = {k: v for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
+    client_state = {k: _owned(v) for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
     if engine.world_size > 1:
         comm.barrier()
     return tag_dir, client_state
@@ -378,7 +443,8 @@ def _read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> _Shards:
         ranks = [engine.optimizer.rank if saved["world"] > 1 else 0]  # (MiCS: the rank in the shard group)
     else:
         ranks = list(range(saved["world"]))
-    return _Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest) for r in ranks})
+    return _Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest, mapped=True)
+                          for r in ranks})
 
 
 def _load_masters(engine, saved: Dict[str, Any], shards: _Shards) -> None:
@@ -419,10 +485,44 @@ def _load_optimizer_state(engine, saved: Dict[str, Any], shards: _Shards) -> Non
         count = len(here["params"])
         groups.append({**{k: v for k, v in there.items() if k != "params"}, "params": list(range(index, index + count))})
         index += count
-    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    opt.optimizer.load_state_dict({"state": _into_current(opt.optimizer, state), "param_groups": groups})
     opt.loss_scaler.load_state_dict(shards.first["loss_scaler"])
     if shards.same:
         _set_rng_state(shards.files[min(shards.files)]["rng"])
+
+
+def _owned(value):
+    """``value`` with every tensor in it copied out of the file's mapping (verified_load's ``mapped``), for
+    what outlives the load: a tensor left viewing the mapping would keep the file mapped (its disk space
+    held after the checkpoint is deleted)."""
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return type(value)((k, _owned(v)) for k, v in value.items()) if type(value) in (dict, OrderedDict) else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_owned(v) for v in value)
+    return value
+
+
+def _into_current(optimizer, state: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
+    """The loaded optimizer state (by index), each tensor copied into the tensor the optimizer holds now
+    for it where it has one of the same shape and dtype (no new memory to fault in: the load writes where
+    the state lives), else into a new one (_owned)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out = {}
+    for i, entry in state.items():
+        current = optimizer.state.get(params[i], {}) if i < len(params) else {}
+        out[i] = {}
+        for k, v in entry.items():
+            here = current.get(k)
+            if (torch.is_tensor(v) and torch.is_tensor(here) and here.shape == v.shape and here.dtype == v.dtype
+                    and here.device.type == "cpu" and v.dim() > 0):
+                with torch.no_grad():
+                    here.copy_(v)
+                out[i][k] = here
+            else:
+                out[i][k] = _owned(v)
+    return out
 
 
 def _refresh_weights(engine) -> None:

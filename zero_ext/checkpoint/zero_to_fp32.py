@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import sys
 from collections import OrderedDict
 
 import torch
@@ -25,6 +26,9 @@ def _load(path):
 
 
 def _resolve_tag(checkpoint_dir, tag):
+    publisher = sys.modules.get("zero_ext.checkpoint.publish")  # (standalone: never loaded)
+    if publisher is not None:
+        publisher.wait()  # a save of this process still being published ends first
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
         if not os.path.exists(latest):

@@ -14,6 +14,8 @@ Files:
   until they let go (``settle`` after a step, ``drain`` at exit): see [Note: the exit race] there.
 - collective_check.py: every rank must call a collective API; one that does not fails with an
   explanation instead of hanging the others.
+- departures.py: a rank that leaves says why in the store, so the others' failed torch.distributed
+  collectives raise a CommError naming it.
 - mpu.py: DeepSpeed's ``mpu`` argument read once: the data- and model-parallel groups.
 - traffic.py: the bytes the facade's collectives send, in all and across nodes (off unless started).
 """

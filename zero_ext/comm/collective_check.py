@@ -4,14 +4,18 @@ leaving the others hanging in the collectives that follow.
 Each call site counts itself in on the process group's key-value store (gloo and NCCL both have one)
 under a per-call key, with what it is about to do (e.g. which parameter), and waits — up to
 ZERO_EXT_COLLECTIVE_CHECK_TIMEOUT seconds (120) — for every rank; ranks that arrive with different
-arguments fail too, naming what each rank passed. It costs a few store round trips, so the engine
-uses it where a mistake is common and the call is rare (checkpoints), and the state routines only in
-debug mode (ZERO_EXT_DEBUG=1).
+arguments fail too, naming what each rank passed. Where the group has a native communicator already,
+the ranks first meet in its agreement op: a rank busy in another collective (one step ahead of the
+others, say) then fails at once with every other, each naming both, instead of at the timeout. It
+costs a few store round trips, so the engine uses it where a mistake is common and the call is rare
+(checkpoints), and the state routines only in debug mode (ZERO_EXT_DEBUG=1).
 """
 import os
 import time
 
 import torch.distributed as dist
+
+from . import native
 
 
 class CollectiveMisuseError(RuntimeError):
@@ -34,6 +38,14 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     timeout = collective_timeout() if timeout is None else timeout
+    carrier = native.existing()
+    if carrier is not None:  # first through the native transport: a rank in another collective meets this
+        try:                 # one there and both fail at once, naming both (csrc/comm_shm.h, shm_stamp)
+            carrier.agree(what, timeout)
+        except native.CommError as exc:
+            if "did not arrive" in str(exc):
+                raise error(_absent(what, "some", dist.get_world_size(), timeout, hint)) from None
+            raise error(f"{what} is collective, but not every rank is calling it now: {exc}{hint}") from None
     store = dist.distributed_c10d._get_default_store()
     key = f"zero_ext/collective/{what}/{seq}"
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -43,8 +55,7 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
     pause = 0.0005  # ranks usually arrive within a millisecond of each other: poll fast, then back off
     while arrived < world:
         if time.monotonic() > deadline:
-            raise error(f"{what} is collective, but only {arrived} of {world} ranks called it within {timeout:.0f}s: "
-                        f"call it on every rank (not under `if rank == 0:`){hint}")
+            raise error(_absent(what, arrived, world, timeout, hint))
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
         arrived = store.add(key, 0)
@@ -54,6 +65,11 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
             listed = ", ".join(f"rank {r}: {d}" for r, d in enumerate(details))
             raise error(f"{what} is collective and every rank must pass the same arguments, but they differ "
                         f"({listed}){hint}")
+
+
+def _absent(what: str, arrived, world: int, timeout: float, hint: str) -> str:
+    return (f"{what} is collective, but only {arrived} of {world} ranks called it within {timeout:.0f}s: call it "
+            f"on every rank (not under `if rank == 0:`){hint}")
 
 
 def call_number(what: str) -> int:

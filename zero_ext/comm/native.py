@@ -236,6 +236,11 @@ class Native:
     def barrier(self, async_op=False):
         return self._run(self.comm.barrier(), None, None, async_op)
 
+    def agree(self, label: str, timeout_s: float = 0.0) -> None:
+        """A barrier the ranks pass only under the same ``label`` (31 characters compared): a rank in another
+        collective fails at once, naming it (csrc/comm.h, zx_comm_agree); ``timeout_s`` > 0 bounds the wait."""
+        self._run(self.comm.agree(label, timeout_s), None, None, False)
+
     # --- reductions (callers check reducible() first) ----------------------------------------------
 
     def reducible(self, dtype: torch.dtype, op) -> bool:
@@ -285,7 +290,7 @@ _LIVE: List[Native] = []  # destroyed at exit (before the interpreter tears torc
 _LOCK = threading.Lock()
 
 
-def _host_id() -> str:
+def host_id() -> str:
     """Ranks with the same id share one /dev/shm."""
     try:
         boot = open("/proc/sys/kernel/random/boot_id").read().strip()
@@ -313,7 +318,7 @@ def _bootstrap(group, ranks) -> Optional[Native]:
     base = f"zero_ext/comm/{group.group_name}"
     generation = -(-store.add(f"{base}/joins", 1) // n)
     key = f"{base}/{generation}"
-    store.set(f"{key}/host/{me}", _host_id())
+    store.set(f"{key}/host/{me}", host_id())
     hosts = {store.get(f"{key}/host/{i}").decode() for i in range(n)}
     if len(hosts) != 1 or next(iter(hosts)).startswith("!"):
         return None
@@ -377,6 +382,13 @@ def _forget(native: Native):
         if native in _LIVE:
             _LIVE.remove(native)
     native.destroy()
+
+
+def existing(group=None) -> Optional[Native]:
+    """The native communicator `group` (None: the default group) has already, else None (none is made)."""
+    if not dist.is_initialized():
+        return None
+    return _BY_GROUP.get(group or dist.distributed_c10d._get_default_group())
 
 
 def transport(group=None) -> str:

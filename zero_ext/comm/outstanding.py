@@ -38,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from . import departures
+
 logger = logging.getLogger("zero_ext.comm")
 
 SETTLE_SECONDS = 2.0  # how long a finished collective's aliases may stay held by C++ before it is given up on
@@ -93,6 +95,11 @@ def run(fn: Callable, *args, **kwargs):
     try:
         result = fn(*args, **kwargs)
         return result
+    except RuntimeError as exc:  # (DistBackendError too) a peer that left says why: departures.py
+        named = departures.explain(exc, getattr(fn, "__name__", "collective"))
+        if named is not None:
+            raise named from exc
+        raise
     finally:  # (a collective that raised, e.g. for a dead peer, may still be held by the backend too)
         track(result if isinstance(result, dist.Work) else None, aliases)
 

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import departures
 from .outstanding import drain
 
 logger = logging.getLogger("zero_ext.comm")
@@ -117,6 +118,7 @@ def init_distributed(dist_backend: Optional[str] = None, auto_mpi_discovery: boo
     if "cuda" in backend and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(**kwargs)
+    departures.forget()
     if verbose:
         logger.info("init_distributed: rank %d of %d, backend %s, timeout %s", dist.get_rank(),
                     dist.get_world_size(), backend, timeout)
@@ -161,6 +163,8 @@ def destroy_process_group(group=None) -> None:
     are destroyed (all for None)."""
     from . import native, nccl  # native imports this module for default_timeout (nccl imports native)
 
+    if group is None:
+        departures.announce("it ended its process group (destroy_process_group)")
     drain()
     native.destroy_all() if group is None else native.destroy_group(group)
     nccl.destroy_all() if group is None else nccl.destroy_group(group)

@@ -1,0 +1,29 @@
+"""The engine's checkpoint methods (DeepSpeed's names), mixed into ZeroEngine: they check the engine can
+save or load, bring NVMe-offloaded state into memory for the call, and hand over to engine_state.py."""
+from .engine_state import load_checkpoint, save_checkpoint, settle_publish
+
+
+class CheckpointMethods:
+    """save_checkpoint / load_checkpoint / wait_for_checkpoint of ZeroEngine (see docs/checkpoints.md)."""
+
+    def save_checkpoint(self, save_dir: str, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """Collective: every rank writes its shard. Returns once the files are written and checksummed; the
+        tag and `latest` appear when rank 0 has made them durable, in the background (wait_for_checkpoint)."""
+        self._require_alive("save_checkpoint")  # (its optimizer state is gone: the checkpoint would be incomplete)
+        with self._state_in_memory(modified=False):
+            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Collective. Returns (load_path, client_state), or (None, None) when there is nothing to load."""
+        self._require_alive("load_checkpoint")
+        with self._state_in_memory(modified=True):
+            return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                   load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective: returns once the last save_checkpoint's tag folder and `latest` are durable and in
+        place (before copying or uploading the folder); raises CheckpointPublishError if that failed."""
+        settle_publish(self)
