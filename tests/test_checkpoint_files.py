@@ -168,7 +168,7 @@ def test_a_save_killed_after_it_returned_but_before_its_publish_leaves_the_previ
     root = str(tmp_path / "ckpt")
     script = tmp_path / "saver.py"
     script.write_text(BLOCKED_PUBLISH.format(tests=os.path.join(ROOT, "tests"), root=root, tag=tag))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "ZERO_EXT_CHECKPOINT_PUBLISH": "background"}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     said = {proc.stdout.readline().strip(), proc.stdout.readline().strip()}  # (the two threads' order varies)
     proc.send_signal(signal.SIGKILL)
@@ -214,12 +214,50 @@ def _failed_publish(root):
 
 
 def test_a_failed_background_publish_is_a_named_error_at_the_next_call_on_every_rank(tmp_path):
-    for returned, outcomes, latest, kept in run_ranks(2, _failed_publish, str(tmp_path)):
+    for returned, outcomes, latest, kept in run_ranks(2, _failed_publish, str(tmp_path),
+                                                      env={"ZERO_EXT_CHECKPOINT_PUBLISH": "background"}):
         assert returned is True
         assert "save_checkpoint(" in outcomes[0] and "tag='b') returned, but its checkpoint was not published" in \
             outcomes[0] and "Input/output error (injected)" in outcomes[0]
         assert outcomes[1] == "ok" and latest == "c"  # reported once; the next save works
         assert kept
+
+
+def _publish_failing_on_b(root):
+    import zero_ext.checkpoint.engine_state as ck
+    from zero_ext.checkpoint.files import CheckpointError
+
+    engine = _engine()
+    _train(engine, 1)
+    engine.save_checkpoint(root, tag="a")
+    visible = sorted(os.listdir(root)), open(os.path.join(root, "latest")).read()  # no wait: in place already
+    real = ck.publish_dir
+
+    def failing(staging, final, aside):
+        if final.endswith("b"):
+            raise OSError(5, "Input/output error (injected)", final)
+        return real(staging, final, aside)
+
+    ck.publish_dir = failing  # (rank 0 publishes)
+    _train(engine, 2)
+    try:
+        engine.save_checkpoint(root, tag="b")
+        failed = None
+    except CheckpointError as exc:
+        failed = str(exc)
+    after = sorted(os.listdir(root)), open(os.path.join(root, "latest")).read()
+    engine.destroy()
+    return visible, failed, after
+
+
+def test_a_save_is_in_place_when_it_returns_and_a_failed_publish_fails_it_on_every_rank(tmp_path):
+    # the default (ZERO_EXT_CHECKPOINT_PUBLISH=sync): what DeepSpeed's users read right after saving is there
+    for rank, (visible, failed, after) in enumerate(run_ranks(2, _publish_failing_on_b, str(tmp_path))):
+        assert visible == (["a", "latest", "zero_to_fp32.py"], "a")
+        assert failed is not None and "tag='b') failed: its checkpoint was not published" in failed
+        assert "Input/output error (injected)" in failed
+        names, latest = after  # the previous checkpoint; rank 0 removed the staging folder before raising
+        assert latest == "a" and [n for n in names if rank == 0 or n != ".b.saving"] == ["a", "latest", "zero_to_fp32.py"]
 
 
 def test_temporary_files_of_dead_processes_are_reaped(tmp_path):

@@ -123,7 +123,8 @@ def _refuse_model_parallel(engine, what: str) -> None:
 def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
                     save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
     """Writes every rank's files into the tag's staging folder; rank 0 then makes them durable and
-    publishes the tag in the background ([Note: background publish] in publish.py)."""
+    publishes the tag, before every rank returns (or after, in the background mode: [Note: background
+    publish] in publish.py)."""
     if not save_dir:
         raise ValueError("save_checkpoint: save_dir is empty; give the folder to save into")
     _refuse_model_parallel(engine, "save_checkpoint")
@@ -173,6 +174,8 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
                     f.write(json.dumps(manifest, indent=1).encode())
                 publish.start(f"save_checkpoint({save_dir!r}, tag={tag!r})",
                               lambda: _publish(save_dir, tag, tag_dir, final_dir, [*files, MANIFEST], save_latest))
+                if not publish.in_background():  # in place before any rank returns
+                    problem = publish.settle()
             except OSError as exc:
                 problem = f"rank 0: {type(exc).__name__}: {exc}"
     verdict = [problem]

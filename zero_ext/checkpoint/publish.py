@@ -1,10 +1,12 @@
-"""The end of a save, in the background: making its files durable and publishing the tag.
+"""The end of a save: making its files durable and publishing the tag, before save_checkpoint returns
+(the default: the tag is there when the call returns, as with DeepSpeed) or in the background
+(``ZERO_EXT_CHECKPOINT_PUBLISH=background``).
 
 [Note: background publish]
-save_checkpoint returns once every rank's files are written (to the page cache) and checksummed and
-rank 0 has written the manifest into the hidden staging folder. What makes the checkpoint durable and
-visible runs here, on one thread of rank 0, after the call returned (as torch's async checkpointing and
-write-ahead logs do it): fsync every file of the staging folder and the folder itself, put the folder in
+In the background mode save_checkpoint returns once every rank's files are written (to the page cache)
+and checksummed and rank 0 has written the manifest into the hidden staging folder. What makes the
+checkpoint durable and visible runs here, on one thread of rank 0, after the call returned (as torch's
+async checkpointing and write-ahead logs do it): fsync every file of the staging folder and the folder itself, put the folder in
 place under its tag (files.publish_dir: one atomic step), refresh ``zero_to_fp32.py``, write ``latest``.
 Until the last step the tag and ``latest`` still name the previous checkpoint, whole: a process killed
 (or a machine losing power) at any moment leaves either that one or the new one, never a half.
@@ -21,6 +23,7 @@ save_checkpoint returns, so that rank 0's publish never precedes another machine
 """
 import atexit
 import logging
+import os
 import threading
 from typing import Callable, Optional
 
@@ -34,9 +37,21 @@ class CheckpointPublishError(CheckpointError):
     save_checkpoint had returned: that checkpoint was not published; the previous ones are intact."""
 
 
+def in_background() -> bool:
+    """Whether saves publish after save_checkpoint returned (``ZERO_EXT_CHECKPOINT_PUBLISH=background``);
+    by default (``sync``) rank 0 waits for the publish inside save_checkpoint, so that the tag and
+    ``latest`` are in place when it returns on every rank, as scripts and libraries written for
+    DeepSpeed expect."""
+    mode = os.environ.get("ZERO_EXT_CHECKPOINT_PUBLISH", "sync")
+    if mode not in ("sync", "background"):
+        raise ValueError(f"ZERO_EXT_CHECKPOINT_PUBLISH={mode!r}: use 'sync' (the default) or 'background'")
+    return mode == "background"
+
+
 class _Job:
     def __init__(self, what: str, work: Callable[[], None]):
         self.what, self.work, self.error = what, work, None
+        self.background = in_background()
         self.thread = threading.Thread(target=self._run, name="zero_ext-checkpoint-publish")
 
     def _run(self):
@@ -72,7 +87,8 @@ def settle() -> Optional[str]:
     job.thread.join()
     if job.error is None:
         return None
-    return (f"{job.what} returned, but its checkpoint was not published: {type(job.error).__name__}: "
+    said = "returned, but its" if job.background else "failed: its"
+    return (f"{job.what} {said} checkpoint was not published: {type(job.error).__name__}: "
             f"{job.error}. The tag and `latest` still name the previous checkpoint, whole; its files stay "
             "in the hidden staging folder until the next save there. Free the disk or fix the folder, then "
             "save again")
