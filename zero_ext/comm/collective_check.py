@@ -45,6 +45,9 @@ def check_all_ranks_call(what: str, seq: int, timeout: float = None, detail: str
         except native.CommError as exc:
             if "did not arrive" in str(exc):
                 raise error(_absent(what, "some", dist.get_world_size(), timeout, hint)) from None
+            if "before arriving" in str(exc):  # a rank left (or died) without calling it
+                raise error(f"{what} is collective, but not every rank called it ({exc}): call it on every "
+                            f"rank (not under `if rank == 0:`){hint}") from None
             raise error(f"{what} is collective, but not every rank is calling it now: {exc}{hint}") from None
     store = dist.distributed_c10d._get_default_store()
     key = f"zero_ext/collective/{what}/{seq}"
