@@ -341,10 +341,12 @@ def _victim(conn, rank, world, cid, fault, timeout_s):
     return "no error"
 
 
+# limits: far below a real collective timeout, with room for a loaded machine's scheduling (the error
+# type tells a detected death or departure from a timeout)
 @pytest.mark.parametrize("fault,error,limit", [
-    ("kill", "BrokenPipeError", 1.5),
-    ("leave", "ConnectionResetError", 1.5),
-    ("absent", "TimeoutError", 1.0 + 1.0),
+    ("kill", "BrokenPipeError", 5.0),
+    ("leave", "ConnectionResetError", 5.0),
+    ("absent", "TimeoutError", 1.0 + 3.0),
 ])
 def test_a_faulty_rank_is_named_inside_the_timeout(fault, error, limit):
     world, timeout_s = 3, 1.0
@@ -367,7 +369,7 @@ import zero_ext._C as C
 cid = sys.argv[1]
 for _ in range(2000):
     try:
-        comm = C.Comm(cid, 1, 2, 10.0)
+        comm = C.Comm(cid, 1, 2, 60.0)
         break
     except FileNotFoundError:
         time.sleep(0.005)
@@ -380,7 +382,7 @@ raise RuntimeError("rank 1 fails in Python")
 
 def test_a_rank_that_raises_in_python_fails_the_others():
     cid = _C.comm_unique_id()
-    comm = _C.Comm(cid, 0, 2, 10.0)
+    comm = _C.Comm(cid, 0, 2, 60.0)  # (the child's start, importing torch, takes seconds under load)
     proc = subprocess.Popen([sys.executable, "-c", RAISING_RANK, cid], stderr=subprocess.PIPE)
     comm.barrier().wait()
     x = torch.ones(10)
