@@ -179,8 +179,21 @@ def test_a_save_killed_after_it_returned_but_before_its_publish_leaves_the_previ
     assert run_ranks(1, _load_whole, root)[0] == {1.0}  # the first save, whole
 
 
-def _failed_publish(root):
+def _fail_publishing_of(tag):
+    """From now on, putting the tag's folder in place fails with an I/O error (rank 0 publishes)."""
     import zero_ext.checkpoint.engine_state as ck
+
+    real = ck.publish_dir
+
+    def failing(staging, final, aside):
+        if final.endswith(tag):
+            raise OSError(5, "Input/output error (injected)", final)
+        return real(staging, final, aside)
+
+    ck.publish_dir = failing
+
+
+def _failed_publish(root):
     from zero_ext.checkpoint.publish import CheckpointPublishError
 
     engine = _engine()
@@ -188,14 +201,7 @@ def _failed_publish(root):
     engine.save_checkpoint(root, tag="a")
     engine.wait_for_checkpoint()
     saved = _values(engine)
-    real = ck.publish_dir
-
-    def failing(staging, final, aside):
-        if final.endswith("b"):
-            raise OSError(5, "Input/output error (injected)", final)
-        return real(staging, final, aside)
-
-    ck.publish_dir = failing  # (rank 0 publishes)
+    _fail_publishing_of("b")
     _train(engine, 2)
     returned = engine.save_checkpoint(root, tag="b")  # the failure comes after it returned
     outcomes = []
@@ -224,21 +230,13 @@ def test_a_failed_background_publish_is_a_named_error_at_the_next_call_on_every_
 
 
 def _publish_failing_on_b(root):
-    import zero_ext.checkpoint.engine_state as ck
     from zero_ext.checkpoint.files import CheckpointError
 
     engine = _engine()
     _train(engine, 1)
     engine.save_checkpoint(root, tag="a")
     visible = sorted(os.listdir(root)), open(os.path.join(root, "latest")).read()  # no wait: in place already
-    real = ck.publish_dir
-
-    def failing(staging, final, aside):
-        if final.endswith("b"):
-            raise OSError(5, "Input/output error (injected)", final)
-        return real(staging, final, aside)
-
-    ck.publish_dir = failing  # (rank 0 publishes)
+    _fail_publishing_of("b")
     _train(engine, 2)
     try:
         engine.save_checkpoint(root, tag="b")

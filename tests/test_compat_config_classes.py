@@ -3,28 +3,20 @@
 ``get_bfloat16_config(param_dict)``, ``DeepSpeedConfig._configure_train_batch_size``): the same aliases,
 deprecated keys and errors as a config loaded whole. The checkout's compat/ is imported first."""
 import os
-import sys
 import warnings
 
 import pytest
 from pydantic import ValidationError
 
 from helpers import ROOT
+from helpers.compat_site import import_checkout_compat
 
 COMPAT = os.path.join(ROOT, "compat")
 
 
 @pytest.fixture(scope="module")
 def ds():
-    if COMPAT not in sys.path:
-        sys.path.insert(0, COMPAT)
-    mod = sys.modules.get("deepspeed")
-    if mod is not None and not os.path.realpath(mod.__file__).startswith(os.path.realpath(COMPAT)):
-        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-            del sys.modules[name]
-    import deepspeed
-
-    return deepspeed
+    return import_checkout_compat()
 
 
 @pytest.mark.parametrize("key,field", [("stage3_prefetch_bucket_size", "prefetch_bucket_size"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import ROOT
+from helpers.compat_site import import_checkout_compat
 from helpers.harness import run_ranks
 
 COMPAT = os.path.join(ROOT, "compat")
@@ -17,15 +18,7 @@ COMPAT = os.path.join(ROOT, "compat")
 @pytest.fixture(scope="module")
 def ds():
     """The checkout's `deepspeed` package (an installed copy of another checkout is set aside)."""
-    if COMPAT not in sys.path:
-        sys.path.insert(0, COMPAT)
-    mod = sys.modules.get("deepspeed")
-    if mod is not None and not os.path.realpath(mod.__file__).startswith(os.path.realpath(COMPAT)):
-        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
-            del sys.modules[name]
-    import deepspeed
-
-    return deepspeed
+    return import_checkout_compat()
 
 
 def test_utils_logging_is_deepspeeds_module_with_the_zero_ext_logger(ds):

@@ -1,4 +1,5 @@
-"""Installs the compatibility package (compat/) with pip into a folder, for tests."""
+"""The compatibility package (compat/) for tests: imported from the checkout, or installed with pip into a
+folder."""
 import os
 import shutil
 import subprocess
@@ -6,6 +7,21 @@ import sys
 
 from helpers import ROOT
 
+COMPAT = os.path.join(ROOT, "compat")
+
+
+def import_checkout_compat():
+    """The checkout's `deepspeed` package, imported in this process (an installed copy of another
+    checkout, already imported, is set aside)."""
+    if COMPAT not in sys.path:
+        sys.path.insert(0, COMPAT)
+    mod = sys.modules.get("deepspeed")
+    if mod is not None and not os.path.realpath(mod.__file__).startswith(os.path.realpath(COMPAT)):
+        for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+            del sys.modules[name]
+    import deepspeed
+
+    return deepspeed
 
 
 def install_compat(base, python=sys.executable, allow_overwrite=True, check=True):
