@@ -29,8 +29,12 @@ static void op_unref(struct zx_comm_op *op)
 		free(op);
 }
 
+static void run_queued(struct zx_comm *comm, struct zx_comm_op *upto);
+
 int zx_comm_wait(struct zx_comm_op *op)
 {
+	if (!atomic_load_explicit(&op->done, memory_order_acquire) && op->comm->pid == getpid())
+		run_queued(op->comm, op);
 	while (!atomic_load_explicit(&op->done, memory_order_acquire))
 		syscall(SYS_futex, &op->done, FUTEX_WAIT_PRIVATE, 0, NULL, NULL, 0);
 	return op->status;
@@ -80,27 +84,56 @@ static void run_one(struct zx_comm *comm, struct zx_comm_op *op)
 	finish(op, rc);
 }
 
+/* Takes the queue's head to run (comm->lock held, nothing running): the caller runs it unlocked. */
+static struct zx_comm_op *take(struct zx_comm *comm)
+{
+	struct zx_comm_op *op = comm->head;
+	comm->head = op->next;
+	if (!comm->head)
+		comm->tail = NULL;
+	comm->running = 1;
+	return op;
+}
+
 static void *progress(void *arg)
 {
 	struct zx_comm *comm = arg;
 	pthread_mutex_lock(&comm->lock);
 	for (;;) {
-		struct zx_comm_op *op = comm->head;
-		if (!op) {
-			if (comm->stopping)
+		if (comm->running || !comm->head) {
+			if (comm->stopping && !comm->running && !comm->head)
 				break;
 			pthread_cond_wait(&comm->wake, &comm->lock);
 			continue;
 		}
-		comm->head = op->next;
-		if (!comm->head)
-			comm->tail = NULL;
+		struct zx_comm_op *op = take(comm);
 		pthread_mutex_unlock(&comm->lock);
 		run_one(comm, op);
 		pthread_mutex_lock(&comm->lock);
+		comm->running = 0;
 	}
 	pthread_mutex_unlock(&comm->lock);
 	return NULL;
+}
+
+/* A thread about to wait for `upto` runs the queued ops up to it itself while the progress thread is
+ * idle, in call order as the progress thread would: a blocking collective then costs no hand-over to
+ * the progress thread and back (two thread wake-ups; on a virtual machine each can cost more than the
+ * op's copies). An op the progress thread already runs is waited for as before. */
+static void run_queued(struct zx_comm *comm, struct zx_comm_op *upto)
+{
+	pthread_mutex_lock(&comm->lock);
+	while (!comm->running && comm->head && !atomic_load_explicit(&upto->done, memory_order_acquire)) {
+		struct zx_comm_op *op = take(comm);
+		pthread_mutex_unlock(&comm->lock);
+		run_one(comm, op); /* may free op: `upto` is still held by its handle */
+		pthread_mutex_lock(&comm->lock);
+		comm->running = 0;
+		if (op == upto)
+			break;
+	}
+	pthread_cond_signal(&comm->wake); /* the progress thread takes what is left, and sees stopping */
+	pthread_mutex_unlock(&comm->lock);
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -205,6 +238,7 @@ static int enqueue(struct zx_comm *comm, struct zx_comm_op *op, struct zx_comm_o
 	}
 	pthread_mutex_lock(&comm->lock);
 	op->seq = atomic_fetch_add(&comm->nops, 1) + 1;
+	op->comm = comm;
 	if (comm->tail)
 		comm->tail->next = op;
 	else
@@ -324,7 +358,7 @@ int zx_comm_reduce_scatter(struct zx_comm *comm, const void *in, void *out, int6
 	if (count < 0 || count > INT64_MAX / comm->world)
 		return -EINVAL;
 	return reduction(comm, "reduce_scatter", in, count * comm->world, dtype, redop, scale,
-			 count * comm->rank, out, count, 0, opp);
+			 count * comm->rank, out, count, ZX_SPLIT_SCATTER, opp);
 }
 
 int zx_comm_all_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype,
@@ -332,7 +366,8 @@ int zx_comm_all_reduce(struct zx_comm *comm, const void *in, void *out, int64_t 
 {
 	if (count && !out)
 		return -EINVAL;
-	return reduction(comm, "all_reduce", in, count, dtype, redop, scale, 0, out, count, 1, opp);
+	return reduction(comm, "all_reduce", in, count, dtype, redop, scale, 0, out, count, ZX_SPLIT_ALL_REDUCE,
+			 opp);
 }
 
 int zx_comm_reduce(struct zx_comm *comm, const void *in, void *out, int64_t count, int dtype, int redop,
@@ -341,7 +376,7 @@ int zx_comm_reduce(struct zx_comm *comm, const void *in, void *out, int64_t coun
 	if (root < 0 || root >= comm->world || (comm->rank == root && count && !out))
 		return -EINVAL;
 	return reduction(comm, "reduce", in, count, dtype, redop, scale, 0, comm->rank == root ? out : NULL,
-			 count, 0, opp);
+			 count, ZX_SPLIT_NONE, opp);
 }
 
 int zx_comm_broadcast(struct zx_comm *comm, void *buf, int64_t bytes, int root, struct zx_comm_op **opp)

@@ -14,7 +14,8 @@
  *
  * Verbs are asynchronous: each enqueues one op and returns its handle; the communicator's progress
  * thread runs ops in call order (which must be the same on every rank), and zx_comm_wait() returns
- * the op's status. Buffers must stay valid and untouched until then.
+ * the op's status (a waiter runs the queued ops up to its own itself, in that order, while the progress
+ * thread is idle: no hand-over for a blocking call). Buffers must stay valid and untouched until then.
  *
  * Reduction order, the same on every rank and for every ISA path (so results can be compared bit for
  * bit): out[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ... + x_{N-1}[i] in rank order, where fp16 / bf16
@@ -142,6 +143,10 @@ void zx_comm_op_free(struct zx_comm_op *op);
  * -EINVAL: a dtype / redop pair not supported (AVG and a scale are for floating types only). */
 int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
 			  int64_t count, int isa);
+/* The same, writing the result to dst and, when dst2 is set, also to dst2 (same bits): a split
+ * all-reduce's share goes to the output and to the slot the others copy it from in one pass. */
+int zx_comm_reduce_kernel2(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
+			   void *dst2, int64_t count, int isa);
 
 /* --- one parameter's fragments: the data path of the state routines (safe_get / safe_set) --------
  *

@@ -32,6 +32,11 @@ struct zx_comm_red { /* every stream's elements at [off, off + count * size) red
 	int64_t count;
 };
 
+/* A reduction's shape, for transports that run it split (comm_shm.c): ZX_SPLIT_ALL_REDUCE, every rank
+ * keeps the whole result (reduce-scatter + all-gather within each round); ZX_SPLIT_SCATTER, every rank
+ * keeps its own equal chunk of the streams, rank r chunk r (a reduce-scatter). */
+enum { ZX_SPLIT_NONE = 0, ZX_SPLIT_ALL_REDUCE = 1, ZX_SPLIT_SCATTER = 2 };
+
 struct zx_comm_op {
 	const char *verb;
 	int64_t seq;  /* this communicator's op number, from 1, for messages */
@@ -42,10 +47,11 @@ struct zx_comm_op {
 	struct zx_comm_red *reds;
 	int dtype, redop;
 	double scale;
-	int split; /* an all-reduce run as reduce-scatter + all-gather within each round (comm_shm.c) */
+	int split; /* how the transport may run a reduction: ZX_SPLIT_* (comm_shm.c) */
 	double timeout_s; /* > 0: this op's own bound on its waits (zx_comm_agree), else the communicator's */
 	char label[ZX_COMM_LABEL_BYTES]; /* zx_comm_agree's name (verb points here) */
 
+	struct zx_comm *comm;	 /* set when queued: a waiter may run it (zx_comm_wait) */
 	struct zx_comm_op *next; /* the queue */
 	_Atomic uint32_t done;	 /* a futex word: 0 until the op ran */
 	_Atomic int refs;	 /* the handle's and the queue's */
@@ -65,6 +71,7 @@ struct zx_comm {
 	pthread_mutex_t lock; /* the queue and `stopping` */
 	pthread_cond_t wake;
 	struct zx_comm_op *head, *tail;
+	int running; /* an op is being run: by the progress thread, or by a waiter (zx_comm_wait) */
 	int stopping;
 	_Atomic int64_t nops;
 

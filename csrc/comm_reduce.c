@@ -26,7 +26,7 @@ static inline float combine_f(float acc, float x, int redop)
 
 /* The reference for fp32 / fp16 / bf16, and the vector paths' tail. */
 static void reduce_float_scalar(int dtype, int redop, float scale, const void *const *srcs, int n,
-				void *dst, int64_t b, int64_t e)
+				void *dst, void *dst2, int64_t b, int64_t e)
 {
 	for (int64_t i = b; i < e; i++) {
 		float acc = zx_load_f32(srcs[0], i, dtype);
@@ -34,10 +34,15 @@ static void reduce_float_scalar(int dtype, int redop, float scale, const void *c
 			acc = combine_f(acc, zx_load_f32(srcs[k], i, dtype), redop);
 		if (scale != 1.0f)
 			acc *= scale;
-		if (dtype == ZX_F32)
+		if (dtype == ZX_F32) {
 			((float *)dst)[i] = acc;
-		else
+			if (dst2)
+				((float *)dst2)[i] = acc;
+		} else {
 			zx_store16_scalar(dst, i, acc, dtype);
+			if (dst2)
+				zx_store16_scalar(dst2, i, acc, dtype);
+		}
 	}
 }
 
@@ -53,7 +58,7 @@ ZX_TARGET_AVX2 static inline __m256 combine8(__m256 acc, __m256 x, int redop)
 }
 
 ZX_TARGET_AVX2 static void reduce_float_avx2(int dtype, int redop, float scale, const void *const *srcs,
-					      int n, void *dst, int64_t b, int64_t e)
+					      int n, void *dst, void *dst2, int64_t b, int64_t e)
 {
 	const __m256 s = _mm256_set1_ps(scale);
 	int64_t i = b;
@@ -63,12 +68,18 @@ ZX_TARGET_AVX2 static void reduce_float_avx2(int dtype, int redop, float scale, 
 			acc = combine8(acc, zx_load8_f32(srcs[k], i, dtype), redop);
 		if (scale != 1.0f)
 			acc = _mm256_mul_ps(acc, s);
-		if (dtype == ZX_F32)
+		if (dtype == ZX_F32) {
 			_mm256_storeu_ps((float *)dst + i, acc);
-		else
-			_mm_storeu_si128((__m128i *)((uint16_t *)dst + i), zx_to16x8(acc, dtype));
+			if (dst2)
+				_mm256_storeu_ps((float *)dst2 + i, acc);
+		} else {
+			__m128i h = zx_to16x8(acc, dtype);
+			_mm_storeu_si128((__m128i *)((uint16_t *)dst + i), h);
+			if (dst2)
+				_mm_storeu_si128((__m128i *)((uint16_t *)dst2 + i), h);
+		}
 	}
-	reduce_float_scalar(dtype, redop, scale, srcs, n, dst, i, e);
+	reduce_float_scalar(dtype, redop, scale, srcs, n, dst, dst2, i, e);
 }
 
 ZX_TARGET_AVX512 static inline __m512 combine16(__m512 acc, __m512 x, int redop)
@@ -80,8 +91,8 @@ ZX_TARGET_AVX512 static inline __m512 combine16(__m512 acc, __m512 x, int redop)
 }
 
 ZX_TARGET_AVX512 static void reduce_float_avx512(int dtype, int redop, float scale,
-						  const void *const *srcs, int n, void *dst, int64_t b,
-						  int64_t e)
+						  const void *const *srcs, int n, void *dst, void *dst2,
+						  int64_t b, int64_t e)
 {
 	const __m512 s = _mm512_set1_ps(scale);
 	int64_t i = b;
@@ -91,19 +102,25 @@ ZX_TARGET_AVX512 static void reduce_float_avx512(int dtype, int redop, float sca
 			acc = combine16(acc, zx_load16_f32(srcs[k], i, dtype, 0xffff), redop);
 		if (scale != 1.0f)
 			acc = _mm512_mul_ps(acc, s);
-		if (dtype == ZX_F32)
+		if (dtype == ZX_F32) {
 			_mm512_storeu_ps((float *)dst + i, acc);
-		else
-			_mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), zx_to16x16(acc, dtype));
+			if (dst2)
+				_mm512_storeu_ps((float *)dst2 + i, acc);
+		} else {
+			__m256i h = zx_to16x16(acc, dtype);
+			_mm256_storeu_si256((__m256i *)((uint16_t *)dst + i), h);
+			if (dst2)
+				_mm256_storeu_si256((__m256i *)((uint16_t *)dst2 + i), h);
+		}
 	}
-	reduce_float_scalar(dtype, redop, scale, srcs, n, dst, i, e);
+	reduce_float_scalar(dtype, redop, scale, srcs, n, dst, dst2, i, e);
 }
 #endif
 
 /* fp64 and the integer types: rare (counters, flags), scalar only. */
 #define REDUCE_PLAIN(T, name, NANCHECK)                                                             \
 	static void name(int redop, double scale, const void *const *srcs, int n, void *dst,        \
-			 int64_t count)                                                             \
+			 void *dst2, int64_t count)                                                 \
 	{                                                                                           \
 		for (int64_t i = 0; i < count; i++) {                                               \
 			T acc = ((const T *)srcs[0])[i];                                            \
@@ -119,6 +136,8 @@ ZX_TARGET_AVX512 static void reduce_float_avx512(int dtype, int redop, float sca
 			if (scale != 1.0)                                                           \
 				acc = (T)(acc * scale);                                             \
 			((T *)dst)[i] = acc;                                                        \
+			if (dst2)                                                                   \
+				((T *)dst2)[i] = acc;                                               \
 		}                                                                                   \
 	}
 #define IS_NAN(x) ((x) != (x))
@@ -131,6 +150,12 @@ REDUCE_PLAIN(uint8_t, reduce_u8, NEVER)
 int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
 			  int64_t count, int isa)
 {
+	return zx_comm_reduce_kernel2(dtype, redop, scale, srcs, n, dst, NULL, count, isa);
+}
+
+int zx_comm_reduce_kernel2(int dtype, int redop, double scale, const void *const *srcs, int n, void *dst,
+			   void *dst2, int64_t count, int isa)
+{
 	if (n < 1 || count < 0 || redop < ZX_REDOP_SUM || redop > ZX_REDOP_MIN || !isfinite(scale))
 		return -EINVAL;
 	int floating = dtype == ZX_F32 || dtype == ZX_F16 || dtype == ZX_BF16 || dtype == ZX_F64;
@@ -140,16 +165,16 @@ int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const 
 		scale /= n;
 	switch (dtype) {
 	case ZX_F64:
-		reduce_f64(redop, scale, srcs, n, dst, count);
+		reduce_f64(redop, scale, srcs, n, dst, dst2, count);
 		return 0;
 	case ZX_I32:
-		reduce_i32(redop, scale, srcs, n, dst, count);
+		reduce_i32(redop, scale, srcs, n, dst, dst2, count);
 		return 0;
 	case ZX_I64:
-		reduce_i64(redop, scale, srcs, n, dst, count);
+		reduce_i64(redop, scale, srcs, n, dst, dst2, count);
 		return 0;
 	case ZX_U8:
-		reduce_u8(redop, scale, srcs, n, dst, count);
+		reduce_u8(redop, scale, srcs, n, dst, dst2, count);
 		return 0;
 	case ZX_F32:
 	case ZX_F16:
@@ -164,14 +189,14 @@ int zx_comm_reduce_kernel(int dtype, int redop, double scale, const void *const 
 	float s = (float)scale;
 #if ZX_HAVE_X86
 	if (level == ZX_SIMD_AVX512) {
-		reduce_float_avx512(dtype, redop, s, srcs, n, dst, 0, count);
+		reduce_float_avx512(dtype, redop, s, srcs, n, dst, dst2, 0, count);
 		return 0;
 	}
 	if (level == ZX_SIMD_AVX2) {
-		reduce_float_avx2(dtype, redop, s, srcs, n, dst, 0, count);
+		reduce_float_avx2(dtype, redop, s, srcs, n, dst, dst2, 0, count);
 		return 0;
 	}
 #endif
-	reduce_float_scalar(dtype, redop, s, srcs, n, dst, 0, count);
+	reduce_float_scalar(dtype, redop, s, srcs, n, dst, dst2, 0, count);
 	return 0;
 }

@@ -10,10 +10,14 @@
  * An all-reduce of at least one slot runs split (reduce-scatter + all-gather inside each round, two
  * barriers): every rank copies into its slot the shares of the window the others reduce, arrives,
  * reduces its own share (its own input read in place, the others' from their slots, in rank order:
- * the same bits as the whole reduction) into its own slot, arrives again, and copies every share out.
- * Each rank reduces 1/N of the window instead of all of it, and writes (N-1)/N of it. The set rule
- * above holds per data round: a set is written again only after everyone passed the next data
- * round's barriers, which follow their reads.
+ * the same bits as the whole reduction) into its output and its slot in one pass, arrives again, and
+ * copies the others' shares out. Each rank reduces 1/N of the window instead of all of it, and writes
+ * (N-1)/N of it. A reduce-scatter runs split too, with one barrier: round k moves window k of every
+ * rank's chunk, each rank copying into its slot its part of the chunks the others keep and then
+ * reducing its own chunk's window straight into its output; every rank reduces in every round (a
+ * round of the whole streams would leave all but the chunk's owner idle). The set rule above holds
+ * per data round: a set is written again only after everyone passed the next data round's
+ * barriers, which follow their reads.
  *
  * Arrival is a per-seat counter; waiting spins briefly, then sleeps on a futex in the segment, and
  * every few milliseconds looks at the missing ranks: a seat marked left (destroyed, exited, or failed

@@ -47,9 +47,9 @@ struct shm_header {
 	struct shm_seat seats[] __attribute__((aligned(256)));
 };
 
-struct shm_job { /* copy bytes src -> dst, or (reduce) reduce every slot at slot_off -> dst, this
-		  * rank's own operand read from src instead of its slot when src is set */
-	char *dst;
+struct shm_job { /* copy bytes src -> dst, or (reduce) reduce every slot at slot_off -> dst (and dst2
+		  * when set), this rank's own operand read from src instead of its slot when src is set */
+	char *dst, *dst2;
 	const char *src;
 	int64_t slot_off, bytes;
 	int reduce;

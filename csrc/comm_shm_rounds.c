@@ -20,7 +20,8 @@ struct run_ctx {
 	_Atomic int status;
 };
 
-static int add_job(struct zx_shm *s, char *dst, const char *src, int64_t slot_off, int64_t bytes, int reduce)
+static int add_job2(struct zx_shm *s, char *dst, char *dst2, const char *src, int64_t slot_off, int64_t bytes,
+		    int reduce)
 {
 	for (int64_t at = 0; at < bytes; at += SHM_PIECE) { /* pieces for the pool (element multiples) */
 		if (s->njobs == s->cap) {
@@ -32,9 +33,15 @@ static int add_job(struct zx_shm *s, char *dst, const char *src, int64_t slot_of
 			s->cap = cap;
 		}
 		int64_t n = bytes - at < SHM_PIECE ? bytes - at : SHM_PIECE;
-		s->jobs[s->njobs++] = (struct shm_job){ dst + at, src ? src + at : NULL, slot_off + at, n, reduce };
+		s->jobs[s->njobs++] = (struct shm_job){ dst + at, dst2 ? dst2 + at : NULL, src ? src + at : NULL,
+							slot_off + at, n, reduce };
 	}
 	return 0;
+}
+
+static int add_job(struct zx_shm *s, char *dst, const char *src, int64_t slot_off, int64_t bytes, int reduce)
+{
+	return add_job2(s, dst, NULL, src, slot_off, bytes, reduce);
 }
 
 static int do_job(const struct run_ctx *ctx, const struct shm_job *j)
@@ -50,8 +57,8 @@ static int do_job(const struct run_ctx *ctx, const struct shm_job *j)
 		srcs[r] = shm_slot(s, ctx->set, r) + j->slot_off;
 	if (j->src)
 		srcs[ctx->comm->rank] = j->src;
-	return zx_comm_reduce_kernel(op->dtype, op->redop, op->scale, srcs, s->h->world, j->dst,
-				     j->bytes / zx_dtype_size(op->dtype), -1);
+	return zx_comm_reduce_kernel2(op->dtype, op->redop, op->scale, srcs, s->h->world, j->dst, j->dst2,
+				      j->bytes / zx_dtype_size(op->dtype), -1);
 }
 
 static void pool_fn(void *arg, int tid, int nthreads)
@@ -216,7 +223,7 @@ static void share_of(int64_t n, int size, int world, int q, int64_t *lo, int64_t
 
 /* One round of a split all-reduce over bytes [w0, w1) of the input (op->segs[0]) into the output
  * (op->reds[0].dst): the others' shares into this rank's slot; arrive; this rank's share reduced
- * into its slot; arrive; every share out of its owner's slot. */
+ * into its output and, in the same pass, into its slot; arrive; the others' shares out of their slots. */
 static int split_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, int64_t w1)
 {
 	struct zx_shm *s = comm->shm;
@@ -240,7 +247,8 @@ static int split_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, 
 		rc = check_stamps(comm, op, ctx.set);
 	if (rc < 0)
 		return rc;
-	rc = add_job(s, mine + lo_me * size, in + lo_me * size, lo_me * size, (hi_me - lo_me) * size, 1);
+	rc = add_job2(s, out + lo_me * size, mine + lo_me * size, in + lo_me * size, lo_me * size,
+		      (hi_me - lo_me) * size, 1);
 	if (!rc)
 		rc = run_jobs(&ctx, (hi_me - lo_me) * size * world);
 	if (rc < 0)
@@ -249,19 +257,85 @@ static int split_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, 
 	if (rc < 0)
 		return rc;
 	for (int q = 0; q < world && !rc; q++) {
+		if (q == me)
+			continue; /* already in the output */
 		share_of(n, size, world, q, &lo, &hi);
 		rc = add_job(s, out + lo * size, shm_slot(s, ctx.set, q) + lo * size, 0, (hi - lo) * size, 0);
 	}
 	if (!rc)
-		rc = run_jobs(&ctx, n * size);
+		rc = run_jobs(&ctx, (n - (hi_me - lo_me)) * size);
 	return rc < 0 ? fail_jobs(op, rc) : 0;
+}
+
+/* Bytes of each rank's chunk a scatter round moves: `world` of them fill a slot (aligned, whole elements). */
+static int64_t scatter_window(int64_t slot, int world, int size)
+{
+	int64_t align = SHM_SHARE_ALIGN % size ? size : SHM_SHARE_ALIGN;
+	int64_t w = slot / world / align * align;
+	return w > 0 ? w : size;
+}
+
+/* One round of a split reduce-scatter: bytes [c0, c1) of every rank's chunk (rank q's chunk is bytes
+ * [q * chunk, (q + 1) * chunk) of every stream). This rank copies into its slot, at q * window, its part
+ * of the chunks the others keep (its own stays in its input); arrives; then reduces its own chunk's
+ * window straight into its output, its own operand read in place, the others' from their slots, in
+ * rank order (the bits of the unsplit reduction). One barrier; no rank idles while another reduces. */
+static int scatter_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t chunk, int64_t window,
+			 int64_t c0, int64_t c1)
+{
+	struct zx_shm *s = comm->shm;
+	struct run_ctx ctx = { .comm = comm, .op = op, .round = ++s->round, .set = ++s->sets };
+	int world = s->h->world, me = comm->rank;
+	const char *in = op->segs[0].ptr;
+	char *mine = shm_slot(s, ctx.set, me);
+	int64_t len = c1 - c0;
+	int rc = 0;
+	for (int q = 0; q < world && !rc; q++)
+		if (q != me && len > 0)
+			rc = add_job(s, mine + q * window, in + q * chunk + c0, 0, len, 0);
+	if (!rc)
+		rc = run_jobs(&ctx, (world - 1) * len);
+	if (rc < 0)
+		return fail_jobs(op, rc);
+	if (c0 == 0)
+		stamp_op(s, me, op, ctx.set);
+	rc = zx_shm_arrive(comm, op, ctx.round);
+	if (rc == 0 && c0 == 0)
+		rc = check_stamps(comm, op, ctx.set);
+	if (rc < 0 || len == 0 || !op->nreds)
+		return rc;
+	rc = add_job(s, op->reds[0].dst + c0, in + me * chunk + c0, me * window, len, 1);
+	if (!rc)
+		rc = run_jobs(&ctx, len * world);
+	return rc < 0 ? fail_jobs(op, rc) : 0;
+}
+
+static int run_scatter(struct zx_comm *comm, struct zx_comm_op *op)
+{
+	int world = comm->world;
+	int64_t chunk = op->span / world;
+	int64_t window = scatter_window(comm->shm->slot, world, zx_dtype_size(op->dtype));
+	int64_t c0 = 0;
+	do { /* at least one round: an empty op still meets */
+		int64_t c1 = chunk - c0 < window ? chunk : c0 + window;
+		int rc = scatter_round(comm, op, chunk, window, c0, c1);
+		if (rc < 0)
+			return rc;
+		c0 = c1;
+	} while (c0 < chunk);
+	return 0;
 }
 
 int zx_shm_run(struct zx_comm *comm, struct zx_comm_op *op)
 {
 	int64_t slot = comm->shm->slot;
 	int64_t w0 = 0;
-	int split = op->split && comm->world > 1 && op->nsegs == 1 && op->nreds == 1 &&
+	int whole = comm->world > 1 && op->nsegs == 1 && op->nreds <= 1;
+	if (whole && op->split == ZX_SPLIT_SCATTER && op->span % comm->world == 0 &&
+	    (!op->nreds || (op->reds[0].off == comm->rank * (op->span / comm->world) &&
+			    op->reds[0].count * zx_dtype_size(op->dtype) == op->span / comm->world)))
+		return run_scatter(comm, op);
+	int split = whole && op->split == ZX_SPLIT_ALL_REDUCE && op->nreds == 1 &&
 		    op->span >= (slot < SHM_SPLIT_MIN ? slot : SHM_SPLIT_MIN);
 	do { /* at least one round: a barrier, or an op every rank sends nothing to, still meets */
 		int64_t w1 = op->span - w0 < slot ? op->span : w0 + slot;

@@ -490,10 +490,10 @@ static PyObject *py_comm_reduce_kernel(PyObject *self, PyObject *args)
 	int dtype, redop, isa;
 	double scale;
 	PyObject *srcs;
-	unsigned long long dst;
+	unsigned long long dst, dst2 = 0;
 	long long count;
-	if (!PyArg_ParseTuple(args, "iidOKLi:comm_reduce_kernel", &dtype, &redop, &scale, &srcs, &dst, &count,
-			      &isa))
+	if (!PyArg_ParseTuple(args, "iidOKLi|K:comm_reduce_kernel", &dtype, &redop, &scale, &srcs, &dst, &count,
+			      &isa, &dst2))
 		return NULL;
 	Py_ssize_t n = 0;
 	int64_t *v = zx_int64_array(srcs, &n, "srcs");
@@ -501,7 +501,8 @@ static PyObject *py_comm_reduce_kernel(PyObject *self, PyObject *args)
 		return NULL;
 	int rc;
 	Py_BEGIN_ALLOW_THREADS
-	rc = zx_comm_reduce_kernel(dtype, redop, scale, (const void *const *)v, (int)n, PTR(dst), count, isa);
+	rc = zx_comm_reduce_kernel2(dtype, redop, scale, (const void *const *)v, (int)n, PTR(dst), PTR(dst2), count,
+				    isa);
 	Py_END_ALLOW_THREADS
 	PyMem_Free(v);
 	return rc < 0 ? zx_raise(rc, "comm_reduce_kernel") : Py_NewRef(Py_None);
@@ -511,7 +512,7 @@ PyMethodDef zx_comm_methods[] = {
 	{ "comm_unique_id", py_comm_unique_id, METH_NOARGS,
 	  "comm_unique_id() -> str: a fresh communicator id (and stale segments of killed runs reaped)" },
 	{ "comm_reduce_kernel", py_comm_reduce_kernel, METH_VARARGS,
-	  "comm_reduce_kernel(dtype, redop, scale, srcs, dst, count, isa): the collectives' reduction "
-	  "kernel on addresses (isa -1: the best, 0: the scalar reference)" },
+	  "comm_reduce_kernel(dtype, redop, scale, srcs, dst, count, isa, dst2=0): the collectives' "
+	  "reduction kernel on addresses (isa -1: the best, 0: the scalar reference; dst2: a second copy)" },
 	{ NULL, NULL, 0, NULL },
 };
