@@ -140,6 +140,23 @@ static int fail_jobs(struct zx_comm_op *op, int rc)
 	return rc;
 }
 
+/* A round's first half: the jobs queued so far (rc: how queueing them went) run, then this rank
+ * arrives; at an op's first round its stamp is posted before the barrier and compared after it. */
+static int write_and_meet(struct run_ctx *ctx, int rc, int64_t moved, int first)
+{
+	struct zx_comm *comm = ctx->comm;
+	if (!rc)
+		rc = run_jobs(ctx, moved);
+	if (rc < 0)
+		return fail_jobs(ctx->op, rc);
+	if (first)
+		stamp_op(comm->shm, comm->rank, ctx->op, ctx->set);
+	rc = zx_shm_arrive(comm, ctx->op, ctx->round);
+	if (rc == 0 && first)
+		rc = check_stamps(comm, ctx->op, ctx->set);
+	return rc;
+}
+
 /* The reads of window [w0, w1): own == 1, those this rank serves from its own input (its own bytes
  * inside one input segment: they need no other rank, so they run before the barrier, beside the
  * writes); own == 0, the rest, out of the slots. Returns 0 or -ENOMEM; *moved counts the bytes. */
@@ -186,15 +203,7 @@ static int one_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, in
 		}
 	if (!rc)
 		rc = add_reads(s, comm->rank, op, ctx.set, w0, w1, 1, &moved);
-	if (!rc)
-		rc = run_jobs(&ctx, moved);
-	if (rc < 0)
-		return fail_jobs(op, rc);
-	if (w0 == 0)
-		stamp_op(s, comm->rank, op, ctx.set);
-	rc = zx_shm_arrive(comm, op, ctx.round);
-	if (rc == 0 && w0 == 0)
-		rc = check_stamps(comm, op, ctx.set);
+	rc = write_and_meet(&ctx, rc, moved, w0 == 0);
 	if (rc < 0)
 		return rc;
 	moved = 0;
@@ -236,15 +245,7 @@ static int split_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t w0, 
 	int rc = add_job(s, mine, in, 0, lo_me * size, 0);
 	if (!rc)
 		rc = add_job(s, mine + hi_me * size, in + hi_me * size, 0, (n - hi_me) * size, 0);
-	if (!rc)
-		rc = run_jobs(&ctx, (n - (hi_me - lo_me)) * size);
-	if (rc < 0)
-		return fail_jobs(op, rc);
-	if (w0 == 0)
-		stamp_op(s, me, op, ctx.set);
-	rc = zx_shm_arrive(comm, op, ctx.round);
-	if (rc == 0 && w0 == 0)
-		rc = check_stamps(comm, op, ctx.set);
+	rc = write_and_meet(&ctx, rc, (n - (hi_me - lo_me)) * size, w0 == 0);
 	if (rc < 0)
 		return rc;
 	rc = add_job2(s, out + lo_me * size, mine + lo_me * size, in + lo_me * size, lo_me * size,
@@ -293,15 +294,7 @@ static int scatter_round(struct zx_comm *comm, struct zx_comm_op *op, int64_t ch
 	for (int q = 0; q < world && !rc; q++)
 		if (q != me && len > 0)
 			rc = add_job(s, mine + q * window, in + q * chunk + c0, 0, len, 0);
-	if (!rc)
-		rc = run_jobs(&ctx, (world - 1) * len);
-	if (rc < 0)
-		return fail_jobs(op, rc);
-	if (c0 == 0)
-		stamp_op(s, me, op, ctx.set);
-	rc = zx_shm_arrive(comm, op, ctx.round);
-	if (rc == 0 && c0 == 0)
-		rc = check_stamps(comm, op, ctx.set);
+	rc = write_and_meet(&ctx, rc, (world - 1) * len, c0 == 0);
 	if (rc < 0 || len == 0 || !op->nreds)
 		return rc;
 	rc = add_job(s, op->reds[0].dst + c0, in + me * chunk + c0, me * window, len, 1);
