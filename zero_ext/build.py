@@ -394,15 +394,16 @@ def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:
     one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
     oc = cfg.zero_optimization.offload_optimizer
     # before any training: the directory works and has room for this rank's files (plus the padding
-    # of each file to a page)
-    need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
+    # of each file to a page), twice: each sub-group's spare file, written by a step while the file
+    # holding the state from before it stays whole ([Note: NVMe step transaction], optim/nvme_step.py)
+    need = 2 * sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
     check_nvme_path(oc.nvme_path, need)
     # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
     # only keep copies (a stage-1/2 partition within sub_group_size is one group).
     sub_group_size = cfg.zero_optimization.sub_group_size
     groups = sum(len(opt.nvme_slices(g, sub_group_size)) for g in opt.flat_groups)
     count = max(1, min(oc.buffer_count, groups))
-    store = NVMeStateStore(oc.nvme_path, count, aio=cfg.aio, pin_memory=oc.pin_memory)
+    store = NVMeStateStore(oc.nvme_path, count, aio=cfg.aio, pin_memory=oc.pin_memory, spare_slot=True)
     opt.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init, sub_group_size)
 
 
