@@ -90,7 +90,10 @@ class OffloadOptimizerConfig(ConfigModel):
         "optimizer step on the CPU.",
         ds_note='DeepSpeed\'s config docs show "cpu" as the default; its code uses "none".')
     nvme_path: Optional[str] = option(
-        None, "Directory on an NVMe drive for optimizer-state swap files (required with nvme).")
+        None, "Directory on an NVMe drive for optimizer-state swap files (required with nvme). zero_ext: "
+        "it needs room for twice this rank's fp32 masters and optimizer state, reserved at "
+        "initialize: each sub-group has a spare file, so that a step whose write fails is undone "
+        "(docs/nvme.md).")
     buffer_count: Int = option(
         4, "Number of swap buffers for NVMe optimizer offload; at least the number of states "
         "per parameter (4 for Adam: param, grad, momentum, variance).", ge=0)
