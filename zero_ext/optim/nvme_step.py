@@ -8,7 +8,7 @@ So that such a step leaves nothing half done:
    transaction: the files holding the state from before the step are not touched;
 2. the new 16-bit values go into a host staging buffer of each group, not into the model;
 3. when the loop ends (or fails) the ranks agree: every rank's outcome (0, or the errno of its failed
-   I/O) is summed in one all-reduce of ``world`` integers;
+   I/O) is summed in one all-reduce of ``world`` integers over every rank of the job;
 4. all succeeded: the store commits (the spare files become the good ones), the step counters move on
    and the staged values go into the model. One failed: every rank rolls back (the buffers with new
    values are dropped, the step counters restored) and raises the same ``NVMeStepError``. The model,
@@ -41,20 +41,22 @@ class NVMeStepError(AioError):
         self.failed, self.rolled_back = failed, rolled_back
 
 
-def nvme_step(opt, combined: float, streamed: List, step_slice, step_group) -> None:
+def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipeline=(False, False)) -> None:
     """Steps the store groups ``streamed`` (group indices, or (group, slice) pairs) as one transaction
     across the ranks (see the Note): ``step_slice(k, j, combined, staged)`` and ``step_group(k, combined,
-    staged)`` update one and write the new parameters into ``staged`` (None: into the model at once)."""
+    staged)`` update one and write the new parameters into ``staged`` (None: into the model at once).
+    ``pipeline``: the store's (pipeline_read, pipeline_write)."""
     store, base = opt.nvme, opt.optimizer
     undoable = opt.nvme_pieces is None
     groups = sorted({key[0] if isinstance(key, tuple) else key for key in streamed})
+    sliced = {key[0] for key in streamed if isinstance(key, tuple)}
     staged = {k: _staging(opt.flat_groups[k]) for k in groups} if undoable else {}
     steps = {k: base.state[opt.flat_groups[k].master].get("step") for k in groups}
     if undoable:
         store.begin()
     error: Optional[BaseException] = None
     try:
-        with contextlib.closing(store.stream(streamed, *opt._pipeline)) as keys:
+        with contextlib.closing(store.stream(streamed, *pipeline)) as keys:
             for key in keys:
                 if isinstance(key, tuple):
                     step_slice(*key, combined, staged[key[0]])
@@ -75,7 +77,7 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group) -> N
         store.commit()
     for k in groups:
         g = opt.flat_groups[k]
-        if k in opt._slices:  # every slice stepped: count the step (whole groups counted in step())
+        if k in sliced:  # every slice stepped: count the step (a whole group's: by the optimizer's step())
             state = base.state[g.master]
             state["step"] = int(state["step"]) + 1
         if k not in staged:
@@ -99,13 +101,16 @@ def _staging(g) -> torch.Tensor:
 
 
 def _agree(error: Optional[BaseException], opt) -> Dict[int, int]:
-    """rank -> code of every rank whose part of the step failed (empty: all succeeded)."""
+    """(global) rank -> code of every rank whose part of the step failed (empty: all succeeded). Over
+    the whole world, not the partition group: MiCS replicas and model-parallel peers outside it step
+    too, and must not commit a step that another rank undoes."""
     code = 0 if error is None else (error.errno or errno.EIO) if isinstance(error, OSError) else NOT_IO
-    if opt.world == 1:
-        return {opt.rank: code} if code else {}
-    codes = torch.zeros(opt.world, dtype=torch.int64, device=collectives.check_device(opt.pg, opt._device()))
-    codes[opt.rank] = code
-    comm.all_reduce(codes, group=opt.pg)
+    rank, world = comm.get_rank(), comm.get_world_size()
+    if world == 1:
+        return {rank: code} if code else {}
+    codes = torch.zeros(world, dtype=torch.int64, device=collectives.check_device(None, opt.flat_groups[0].flat.device))
+    codes[rank] = code
+    comm.all_reduce(codes)
     return {r: int(c) for r, c in enumerate(codes.tolist()) if c}
 
 

@@ -263,7 +263,7 @@ class ZeroOptimizer:
                 streamed += [(k, j) for j in range(len(self._slices[k]))]
             elif k not in self._materialized:
                 streamed.append(k)
-        nvme_step(self, combined, streamed, self._step_slice, self._step_group)
+        nvme_step(self, combined, streamed, self._step_slice, self._step_group, self._pipeline)
         for k in sorted(self._materialized):  # (a step inside materialized(): those are in memory)
             self._step_group(k, combined)
 
