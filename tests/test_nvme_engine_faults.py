@@ -9,7 +9,6 @@ import errno
 import os
 import time
 
-import pytest
 import torch
 
 from helpers.fs import lose_reservation, mount
@@ -67,8 +66,8 @@ def _full_during_a_step(stage, swap, full, ckpt):
     return first, seconds, later, resumed, sorted(os.listdir(ckpt))
 
 
-@pytest.mark.parametrize("stage", [3])
-def test_a_drive_full_during_a_step_is_named_and_the_engine_stops(stage, tmp_path, mounts):
+def test_a_drive_full_during_a_step_with_offload_param_nvme_is_named_and_the_engine_stops(tmp_path, mounts):
+    stage = 3  # (offload_param nvme is stage 3's)
     full = mount(tmp_path, "tmpfs", "size=64k")
     mounts.append(full)
     swap, ckpt = tmp_path / "swap", tmp_path / "ckpt"

@@ -2,7 +2,8 @@
 1, 2 and 3, 2 ranks): every rank raises the same NVMeStepError, nothing of the step is applied (the
 model, the masters, the optimizer state in memory and in the swap files, the gradients), and once space
 is freed step() takes the step that failed: training goes on bit for bit as a run that never failed
-([Note: NVMe step transaction], zero_ext/optim/nvme_step.py).
+([Note: NVMe step transaction], zero_ext/optim/nvme_step.py); or zero_grad() drops it: bit for bit as a
+run that dropped that batch.
 
 The fault: on rank 0 only, the spare file the step writes for the second sub-group loses its reservation
 (helpers/fs.lose_reservation: a sparse file on a full tmpfs), so the first sub-group's new state is
@@ -22,9 +23,10 @@ STEPS = 4
 FAIL_AT = 2  # the step whose write fails (1-based)
 
 
-def _config(stage, dtype, swap):
+def _config(stage, dtype, swap, pipeline_write):
     zero = {"stage": stage, "sub_group_size": 1000,
-            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pipeline_read": True}}
+            "offload_optimizer": {"device": "nvme", "nvme_path": swap, "pipeline_read": True,
+                                  "pipeline_write": pipeline_write}}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, sub_group_size=600)
     return {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0, "bf16": {"enabled": dtype == "bf16"},
@@ -68,20 +70,23 @@ def _same(a, b, where=""):
         assert a == b, where
 
 
-def _run(stage, dtype, swap, full):
+def _run(stage, dtype, pipeline_write, then, swap, full):
     import zero_ext
     from zero_ext.optim.nvme_step import NVMeStepError
 
     rank = torch.distributed.get_rank()
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    engine = zero_ext.initialize(model=TinyGPT().to(dt), config=_config(stage, dtype, swap))[0]
+    engine = zero_ext.initialize(model=TinyGPT().to(dt), config=_config(stage, dtype, swap, pipeline_write))[0]
     gen = torch.Generator().manual_seed(7 + rank)
     losses, fault = [], None
     for step in range(1, STEPS + 1):
         loss = engine.module.loss(TinyGPT.batch(2, gen))
         engine.backward(loss)
         losses.append(loss.float().item())
+        if step == FAIL_AT and full is None and then == "drop":  # the run to compare with drops the batch
+            engine.zero_grad()
+            continue
         if step == FAIL_AT and full is not None:
             store = engine.optimizer.nvme
             engine.optimizer.ensure_reduced()  # (what step() does first: stage 1 reduces its gradients there)
@@ -97,7 +102,10 @@ def _run(stage, dtype, swap, full):
             _same(before, _local_state(engine), f"rank {rank}: after the failed step")  # nothing changed
             assert engine.global_steps == FAIL_AT - 1 and engine.was_step_applied() is False
             if rank == 0:
-                os.unlink(os.path.join(full, "filler"))  # space freed: the step is taken again
+                os.unlink(os.path.join(full, "filler"))  # space freed: the step is taken again, or dropped
+            if then == "drop":
+                engine.zero_grad()
+                continue
         engine.step()
     result = (losses, fault, full_params(engine), fp32_masters(engine), optimizer_state(engine, "exp_avg"),
               optimizer_state(engine, "exp_avg_sq"), engine.global_steps)
@@ -105,20 +113,23 @@ def _run(stage, dtype, swap, full):
     return result
 
 
-@pytest.mark.parametrize("stage,dtype", [(1, "bf16"), (2, "fp32"), (3, "fp32")])
-def test_a_full_drive_mid_step_is_undone_on_every_rank_and_the_step_taken_again(stage, dtype, tmp_path, mounts):
+@pytest.mark.parametrize("stage,dtype,pipeline_write,then", [(1, "bf16", False, "retry"), (2, "fp32", True, "retry"),
+                                                             (3, "fp32", True, "retry"), (2, "bf16", False, "drop")])
+def test_a_full_drive_mid_step_is_undone_on_every_rank_and_the_step_taken_again(stage, dtype, pipeline_write, then,
+                                                                                tmp_path, mounts):
     full = mount(tmp_path, "tmpfs", "size=64k")
     mounts.append(full)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    faulty = run_ranks(2, _run, stage, dtype, str(tmp_path / "a"), str(full), timeout=120)
-    clean = run_ranks(2, _run, stage, dtype, str(tmp_path / "b"), None, timeout=120)
+    args = (stage, dtype, pipeline_write, then)
+    faulty = run_ranks(2, _run, *args, str(tmp_path / "a"), str(full), timeout=120)
+    clean = run_ranks(2, _run, *args, str(tmp_path / "b"), None, timeout=120)
     errors = [r[1] for r in faulty]
     assert errors[0] == errors[1], errors  # the same error on every rank
     name, err, rolled_back, failed, message = errors[0]
     assert name == "NVMeStepError" and err == errno.ENOSPC and rolled_back and failed == {0: errno.ENOSPC}, errors
     assert "rank 0: ENOSPC (No space left on device)" in message and "call engine.step() again" in message
     for rank, (f, c) in enumerate(zip(faulty, clean)):
-        assert c[1] is None and f[6] == c[6] == STEPS
+        assert c[1] is None and f[6] == c[6] == STEPS - (then == "drop")
         _same(f[0], c[0], f"rank {rank}: losses")
         _same(f[2:6], c[2:6], f"rank {rank}: parameters, masters, exp_avg, exp_avg_sq after {STEPS} steps")
