@@ -124,5 +124,18 @@ def test_spare_files_are_reserved_at_register_so_a_small_drive_fails_there(tmp_p
                 assert t.eq(i).all() and i not in store, "the tensor is left as it was"
         assert registered == [0, 1] and errors and errors[0].errno == errno.ENOSPC, (registered, errors)
         assert len(_swap_files(store)) == 4  # the failed groups left no file behind
-        with pytest.raises(RuntimeError, match="need spare_slot=True"):
-            NVMeStateStore(tmp_path / "plain", aio=AIO).begin()
+
+
+def test_a_group_without_a_spare_written_in_a_rolled_back_transaction_is_invalid(tmp_path):
+    with NVMeStateStore(tmp_path, buffer_count=2, aio=AIO) as store:
+        store.register("plain", [torch.ones(100)])
+        store.register("spared", [torch.ones(100)], spare_slot=True)
+        assert len(_swap_files(store)) == 3
+        store.begin()
+        for k in store.stream(["plain", "spared"]):
+            store.tensors(k)[0].add_(1)
+        store.rollback()
+        assert store.state("spared") == SwapState.ON_NVME and _values(store, ["spared"])["spared"][0].eq(1).all()
+        assert store.state("plain") == SwapState.INVALID
+        with pytest.raises(AioError, match="written in place in a transaction that was rolled back"):
+            _values(store, ["plain"])

@@ -418,7 +418,10 @@ def _open_nvme_pieces(model, cfg, plan: OffloadPlan, has_optimizer: bool) -> NVM
                           'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
     zps = list({id(z): z for z in map(zero_param_of, model.parameters()) if z}.values())
     elem = next(iter(model.parameters())).element_size()
-    check_nvme_path(pc.nvme_path, sum(zp.shard_numel * elem + 4096 for zp in zps))
+    # trained pieces twice: each sub-group's buffer has a spare file, so that a step is undone whole
+    # when a write fails ([Note: NVMe step transaction], optim/nvme_step.py)
+    copies = [1 + (has_optimizer and zp.param.requires_grad) for zp in zps]
+    check_nvme_path(pc.nvme_path, sum(n * (zp.shard_numel * elem + 4096) for n, zp in zip(copies, zps)))
     store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=cfg.aio, pin_memory=pc.pin_memory)
     return NVMePieces(store, pc.max_in_cpu)
 
@@ -430,7 +433,7 @@ def _register_piece_group(pieces: NVMePieces, cfg, k: int, g) -> None:
         raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
                           f"than sub-group {k}'s pieces ({g.flat.numel()} elements): raise buffer_size, or "
                           "lower zero_optimization.sub_group_size")
-    pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
+    pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)), spare_slot=True)
 
 
 def _add_other_pieces(model, pieces: NVMePieces) -> None:

@@ -61,9 +61,10 @@ class NVMeStateStore:
     ``max_group_bytes``: allocate the pool at once for groups up to this size (``group_nbytes``
     computes it); None grows the pool as larger groups are registered (only while no group is in
     use, so never during a step).
-    ``spare_slot``: two files per group, the second reserved at ``register``, so that a failed
-    write-back never destroys a group's last good data and ``begin``/``commit``/``rollback`` make a
-    set of write-backs all-or-nothing ([Note: spare slots] in groups.py; twice the space on NVMe).
+    ``spare_slot``: two files per group (the default of ``register``), the second reserved at
+    ``register``, so that a failed write-back never destroys a group's last good data and
+    ``begin``/``commit``/``rollback`` make a set of write-backs all-or-nothing ([Note: spare slots]
+    in groups.py; twice the space on NVMe).
     """
 
     def __init__(self, nvme_path: PathLike, buffer_count: int = 4, *,
@@ -125,11 +126,12 @@ class NVMeStateStore:
 
     # -- registration --------------------------------------------------------------------------------
 
-    def register(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
+    def register(self, key: Hashable, tensors: Sequence[torch.Tensor], spare_slot: Optional[bool] = None) -> None:
         """Writes ``tensors`` (CPU tensors of any dtype and shape) as group ``key``, then releases
         their storage; the objects stay valid and become resident again in ``resident``/``stream``.
         Synchronous: if the write fails (AioError, e.g. a full drive) the tensors are left as they
-        were and ``key`` is not registered."""
+        were and ``key`` is not registered. ``spare_slot``: whether the group has a spare file
+        (default: the store's)."""
         tensors = list(tensors)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -137,7 +139,7 @@ class NVMeStateStore:
             if t.device.type != "cpu":
                 raise ValueError(f"register({key!r}): tensor {i} is on {t.device}; NVMe offload "
                                  "keeps CPU tensors (copy it to the CPU first)")
-        group = self._new_group(key, tensors, [(t.shape, t.dtype) for t in tensors])
+        group = self._new_group(key, tensors, [(t.shape, t.dtype) for t in tensors], spare_slot)
         views = group_views(group.buffer.data, group.layout)
         zero_gaps(group.buffer.data, group.layout)
         with torch.no_grad():
@@ -170,7 +172,7 @@ class NVMeStateStore:
         self._write_new_group(group)
         return list(tensors)
 
-    def _new_group(self, key, tensors, specs) -> SwapGroup:
+    def _new_group(self, key, tensors, specs, spare_slot: Optional[bool] = None) -> SwapGroup:
         """Checks, sizes the pool, and gives the new group a buffer (not yet in self._groups)."""
         self._check_alive()
         if key in self._groups:
@@ -185,7 +187,8 @@ class NVMeStateStore:
         layout, nbytes = pack_layout(specs)
         self._ensure_pool(nbytes, key)
         self._files_made += 1  # file names never repeat, even after a failed register
-        names = [f"group{self._files_made:05d}.swp"] + [f"group{self._files_made:05d}.spare.swp"] * self.spare_slot
+        spare = self.spare_slot if spare_slot is None else bool(spare_slot)
+        names = [f"group{self._files_made:05d}.swp"] + [f"group{self._files_made:05d}.spare.swp"] * spare
         group = SwapGroup(key, names, tensors, layout, nbytes)
         self._take_buffer(group)
         return group
@@ -194,7 +197,7 @@ class NVMeStateStore:
         buf = group.buffer
         try:
             self.swapper.swap_out(group.names[0], buf.data[:group.nbytes]).wait()
-            if self.spare_slot:  # reserved now: a drive too small for both fails here, not in a step
+            if len(group.names) == 2:  # reserved now: a drive too small for both fails here, not in a step
                 self.swapper.reserve(group.names[1], group.nbytes)
         except BaseException:
             buf.group, group.buffer = None, None
@@ -354,7 +357,7 @@ class NVMeStateStore:
             group.state = SwapState.ON_NVME
             self._drop_buffer(group)  # it may differ from the file if the caller broke the promise
             return
-        group.writing = 1 - group.valid if self.spare_slot else 0
+        group.writing = 1 - group.valid if len(group.names) == 2 else 0
         if self._txn is not None:
             self._txn[group.key] = group
         try:
@@ -417,8 +420,6 @@ class NVMeStateStore:
         """Opens a transaction: from now on a written group's new data goes to its spare file and is
         read from there, while its last committed data stays where it was until ``commit``."""
         self._check_alive()
-        if not self.spare_slot:
-            raise RuntimeError("NVMe store transactions need spare_slot=True (a second file per group)")
         if self._txn is not None:
             raise RuntimeError("an NVMe store transaction is already open")
         self._txn = {}
@@ -439,7 +440,8 @@ class NVMeStateStore:
         """Forgets every write of the open transaction: I/O in flight is waited for (its errors are
         part of what is forgotten), the buffers holding new data are dropped, and each group is again
         its last committed data (a group whose write failed included). Groups still in use (resident)
-        are an error: close the loops and ``resident`` blocks first."""
+        are an error: close the loops and ``resident`` blocks first. A group without a spare file was
+        written in place: it becomes INVALID (its last good data is gone)."""
         groups = self._txn or {}
         self._settle(list(groups.values()), raise_errors=False, quiet=True)
         busy = [g.key for g in groups.values() if g.holds > 0]
@@ -449,10 +451,18 @@ class NVMeStateStore:
         for group in groups.values():
             self._drop_buffer(group)
             group.state, group.error, group.newest = SwapState.ON_NVME, None, group.valid
+            if len(group.names) == 1:
+                group.state, group.error = SwapState.INVALID, AioError(
+                    errno.EINVAL, "it was written in place in a transaction that was rolled back",
+                    self.swapper.dir.file(group.name))
 
     @property
     def in_transaction(self) -> bool:
         return self._txn is not None
+
+    def transaction_keys(self) -> List[Hashable]:
+        """The groups written in the open transaction so far (none when no transaction is open)."""
+        return list(self._txn or ())
 
     # -- access --------------------------------------------------------------------------------------
 

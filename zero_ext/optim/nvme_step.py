@@ -6,16 +6,17 @@ that lost its reservation; an I/O error), after some sub-groups were written and
 So that such a step leaves nothing half done:
 1. the store writes every sub-group into its spare file ([Note: spare slots], nvme/groups.py) inside a
    transaction: the files holding the state from before the step are not touched;
-2. the new 16-bit values go into a host staging buffer of each group, not into the model;
+2. the new 16-bit values go into a host staging buffer of each group, not into the model (with
+   ``offload_param.device = "nvme"`` into the group's pieces, whose store writes them to their spare
+   files in a transaction of its own);
 3. when the loop ends (or fails) the ranks agree: every rank's outcome (0, or the errno of its failed
    I/O) is summed in one all-reduce of ``world`` integers over every rank of the job;
-4. all succeeded: the store commits (the spare files become the good ones), the step counters move on
-   and the staged values go into the model. One failed: every rank rolls back (the buffers with new
-   values are dropped, the step counters restored) and raises the same ``NVMeStepError``. The model,
-   the optimizer state in memory and on NVMe and the gradients are as before ``step()``, so calling
-   ``step()`` again after space was freed takes the step that failed, bit for bit.
-With ``offload_param.device = "nvme"`` the step also writes the 16-bit pieces into their own store in
-place; that cannot be undone, so the error says ``rolled_back = False`` and the engine stops.
+4. all succeeded: the stores commit (the spare files become the good ones), the step counters move on
+   and the staged values go into the model. One failed: every rank rolls back (the buffers and cached
+   pieces with new values are dropped, the step counters restored) and raises the same
+   ``NVMeStepError``. The model, the optimizer state in memory and on NVMe and the gradients are as
+   before ``step()``, so calling ``step()`` again after space was freed takes the step that failed,
+   bit for bit.
 """
 import contextlib
 import errno
@@ -34,11 +35,13 @@ NOT_IO = -1  # a rank's failure that is not an OSError (its own exception is rai
 class NVMeStepError(AioError):
     """An optimizer step could not write its state to NVMe on some rank. Raised on every rank with
     the same message; ``errno`` is the first failed rank's, ``failed`` maps rank -> errno (-1: not an
-    I/O error), ``rolled_back`` says whether the step was undone everywhere (then nothing changed)."""
+    I/O error). The step was undone on every rank (``rolled_back``): nothing changed."""
 
-    def __init__(self, err: int, message: str, failed: Dict[int, int], rolled_back: bool):
+    rolled_back = True  # (the engine goes on after it; an NVMe error without it stops the engine)
+
+    def __init__(self, err: int, message: str, failed: Dict[int, int]):
         super().__init__(err, message)
-        self.failed, self.rolled_back = failed, rolled_back
+        self.failed = failed
 
 
 def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipeline=(False, False)) -> None:
@@ -46,14 +49,14 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipe
     across the ranks (see the Note): ``step_slice(k, j, combined, staged)`` and ``step_group(k, combined,
     staged)`` update one and write the new parameters into ``staged`` (None: into the model at once).
     ``pipeline``: the store's (pipeline_read, pipeline_write)."""
-    store, base = opt.nvme, opt.optimizer
-    undoable = opt.nvme_pieces is None
+    store, base, pieces = opt.nvme, opt.optimizer, opt.nvme_pieces
     groups = sorted({key[0] if isinstance(key, tuple) else key for key in streamed})
     sliced = {key[0] for key in streamed if isinstance(key, tuple)}
-    staged = {k: _staging(opt.flat_groups[k]) for k in groups} if undoable else {}
+    staged = {k: _staging(opt.flat_groups[k]) for k in groups} if pieces is None else {}
     steps = {k: base.state[opt.flat_groups[k].master].get("step") for k in groups}
-    if undoable:
-        store.begin()
+    store.begin()
+    if pieces is not None:
+        pieces.store.begin()
     error: Optional[BaseException] = None
     try:
         with contextlib.closing(store.stream(streamed, *pipeline)) as keys:
@@ -66,15 +69,17 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipe
         error = exc
     failed = _agree(error, opt)
     if failed:
-        if undoable:
-            store.rollback()
-            for k, step in steps.items():
-                base.state[opt.flat_groups[k].master]["step"] = step
+        store.rollback()
+        if pieces is not None:
+            pieces.rollback()
+        for k, step in steps.items():
+            base.state[opt.flat_groups[k].master]["step"] = step
         if error is not None and not isinstance(error, OSError):
             raise error  # (a bug, not the drive: the other ranks raise NVMeStepError naming this rank)
-        raise _named(failed, undoable) from error
-    if undoable:
-        store.commit()
+        raise _named(failed) from error
+    store.commit()
+    if pieces is not None:
+        pieces.store.commit()
     for k in groups:
         g = opt.flat_groups[k]
         if k in sliced:  # every slice stepped: count the step (a whole group's: by the optimizer's step())
@@ -114,18 +119,14 @@ def _agree(error: Optional[BaseException], opt) -> Dict[int, int]:
     return {r: int(c) for r, c in enumerate(codes.tolist()) if c}
 
 
-def _named(failed: Dict[int, int], undone: bool) -> NVMeStepError:
+def _named(failed: Dict[int, int]) -> NVMeStepError:
     what = ", ".join(f"rank {r}: " + (f"{errno.errorcode.get(c, c)} ({os.strerror(c)})" if c > 0 else
                                       "an error that is not I/O (raised there)") for r, c in sorted(failed.items()))
     err = next((c for c in failed.values() if c > 0), errno.EIO)
-    if undone:
-        tail = ("Nothing of this step was applied on any rank: the model, the optimizer state (in memory and "
-                "in the swap files) are as before step(), and its gradients are kept. Free space under nvme_path (or fix "
-                "the drive), then call engine.step() again to take this step, or engine.zero_grad() to drop it")
-    else:
-        tail = "offload_param.device = 'nvme' wrote part of the new parameters in place, so it cannot be undone"
-    return NVMeStepError(err, f"the optimizer step could not write its state to NVMe ({what}). {tail}",
-                         failed, undone)
+    tail = ("Nothing of this step was applied on any rank: the model and the optimizer state (in memory and in "
+            "the swap files) are as before step(), and its gradients are kept. Free space under nvme_path (or "
+            "fix the drive), then call engine.step() again to take this step, or engine.zero_grad() to drop it")
+    return NVMeStepError(err, f"the optimizer step could not write its state to NVMe ({what}). {tail}", failed)
 
 
 __all__ = ["NVMeStepError", "nvme_step"]
