@@ -67,13 +67,12 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipe
                     step_group(key, combined, staged.get(key))
     except Exception as exc:  # noqa: BLE001 - every rank must reach the agreement below
         error = exc
+    except BaseException:  # KeyboardInterrupt, SystemExit: undone here, no agreement (the job is ending)
+        _undo(store, pieces, base, opt, steps)
+        raise
     failed = _agree(error, opt)
     if failed:
-        store.rollback()
-        if pieces is not None:
-            pieces.rollback()
-        for k, step in steps.items():
-            base.state[opt.flat_groups[k].master]["step"] = step
+        _undo(store, pieces, base, opt, steps)
         if error is not None and not isinstance(error, OSError):
             raise error  # (a bug, not the drive: the other ranks raise NVMeStepError naming this rank)
         raise _named(failed) from error
@@ -91,6 +90,14 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipe
         if g.flat.is_cuda and staged[k].is_pinned():  # the next _staging waits for this copy
             g.staging_copied = torch.cuda.Event()
             g.staging_copied.record(torch.cuda.current_stream(g.flat.device))
+
+
+def _undo(store, pieces, base, opt, steps) -> None:
+    store.rollback()
+    if pieces is not None:
+        pieces.rollback()
+    for k, step in steps.items():
+        base.state[opt.flat_groups[k].master]["step"] = step
 
 
 def _staging(g) -> torch.Tensor:
