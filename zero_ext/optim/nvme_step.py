@@ -70,7 +70,11 @@ def nvme_step(opt, combined: float, streamed: List, step_slice, step_group, pipe
     except BaseException:  # KeyboardInterrupt, SystemExit: undone here, no agreement (the job is ending)
         _undo(store, pieces, base, opt, steps)
         raise
-    failed = _agree(error, opt)
+    try:
+        failed = _agree(error, opt)
+    except BaseException:  # the agreement itself failed (a rank died): nothing is committed here
+        _undo(store, pieces, base, opt, steps)
+        raise
     if failed:
         _undo(store, pieces, base, opt, steps)
         if error is not None and not isinstance(error, OSError):
