@@ -6,8 +6,9 @@
         optimizer_step(i)                                    # group i's tensors are in memory here
     with store.resident(i) as (master, exp_avg, exp_avg_sq):
         ...                                                  # random access: state routines, checkpoints
+    store.begin() ... store.commit() / store.rollback()      # all or nothing (groups with a spare file)
 
-What it owns: the swap file of each group (one file per group, through ``aio.NVMeSwapper``), a pool
+What it owns: the swap files of each group (one, or two with a spare: groups.py), a pool
 of ``buffer_count`` page-aligned host buffers, and each group's ``SwapState``. What it does not do:
 decide which tensors form a group, run the optimizer, or know about the engine's config (the
 engine passes ``buffer_count``, ``pin_memory`` and the ``aio`` section).
