@@ -394,15 +394,16 @@ def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:
     one file per sub-group of sub_group_size elements, streamed through buffer_count host buffers."""
     oc = cfg.zero_optimization.offload_optimizer
     # before any training: the directory works and has room for this rank's files (plus the padding
-    # of each file to a page)
-    need = sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
+    # of each file to a page), twice: each sub-group's spare file, written by a step while the file
+    # holding the state from before it stays whole ([Note: NVMe step transaction], optim/nvme_step.py)
+    need = 2 * sum(opt.nvme_file_bytes(g) + 4096 for g in opt.flat_groups)
     check_nvme_path(oc.nvme_path, need)
     # No more buffers than groups: each buffer in use holds a different group, so a larger pool would
     # only keep copies (a stage-1/2 partition within sub_group_size is one group).
     sub_group_size = cfg.zero_optimization.sub_group_size
     groups = sum(len(opt.nvme_slices(g, sub_group_size)) for g in opt.flat_groups)
     count = max(1, min(oc.buffer_count, groups))
-    store = NVMeStateStore(oc.nvme_path, count, aio=cfg.aio, pin_memory=oc.pin_memory)
+    store = NVMeStateStore(oc.nvme_path, count, aio=cfg.aio, pin_memory=oc.pin_memory, spare_slot=True)
     opt.attach_nvme(store, oc.pipeline_read, oc.pipeline_write, oc.fast_init, sub_group_size)
 
 
@@ -417,7 +418,10 @@ def _open_nvme_pieces(model, cfg, plan: OffloadPlan, has_optimizer: bool) -> NVM
                           'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
     zps = list({id(z): z for z in map(zero_param_of, model.parameters()) if z}.values())
     elem = next(iter(model.parameters())).element_size()
-    check_nvme_path(pc.nvme_path, sum(zp.shard_numel * elem + 4096 for zp in zps))
+    # trained pieces twice: each sub-group's buffer has a spare file, so that a step is undone whole
+    # when a write fails ([Note: NVMe step transaction], optim/nvme_step.py)
+    copies = [1 + (has_optimizer and zp.param.requires_grad) for zp in zps]
+    check_nvme_path(pc.nvme_path, sum(n * (zp.shard_numel * elem + 4096) for n, zp in zip(copies, zps)))
     store = NVMeStateStore(pc.nvme_path, pc.buffer_count, aio=cfg.aio, pin_memory=pc.pin_memory)
     return NVMePieces(store, pc.max_in_cpu)
 
@@ -429,7 +433,7 @@ def _register_piece_group(pieces: NVMePieces, cfg, k: int, g) -> None:
         raise ConfigError(f"zero_optimization.offload_param.buffer_size = {pc.buffer_size} elements is smaller "
                           f"than sub-group {k}'s pieces ({g.flat.numel()} elements): raise buffer_size, or "
                           "lower zero_optimization.sub_group_size")
-    pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)))
+    pieces.add_buffer(("lp", k), g.flat, list(zip(g.zparams, g.offsets, g.shards)), spare_slot=True)
 
 
 def _add_other_pieces(model, pieces: NVMePieces) -> None:

@@ -346,8 +346,9 @@ class ZeroEngine(CheckpointMethods, torch.nn.Module):
                 agree_on_step(self.global_steps, self.optimizer.pg, self.device)
             try:
                 self._step_applied = self.optimizer.step()
-            except OSError as exc:  # the NVMe write-back of a group failed: its new state exists nowhere
-                if self.optimizer.nvme is not None or self.nvme_pieces is not None:
+            except OSError as exc:  # an NVMe write failed: undone on every rank (optim/nvme_step.py), or not
+                nvme = self.optimizer.nvme is not None or self.nvme_pieces is not None
+                if nvme and not getattr(exc, "rolled_back", False):
                     self._failed = (f"step {self.global_steps + 1} could not write its state to NVMe ({exc}), so "
                                     "part of that step's model and optimizer state is lost. Free space under "
                                     "nvme_path (or fix the drive), then build a new engine and load the last "

@@ -2,6 +2,7 @@
 the test's own (mounted under tmp_path, or the test skips saying why), and the fixture that unmounts
 them again. Used by the NVMe tests (tests/test_nvme_*.py); the ``mounts`` fixture is registered in
 conftest.py, so tests ask for it by name."""
+import errno
 import os
 import pickle
 import subprocess
@@ -52,3 +53,26 @@ def mounts():
     yield made
     for target in made:
         subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def fill_up(folder):
+    """Writes a file "filler" into ``folder`` until its file system is full (ENOSPC)."""
+    fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def lose_reservation(swap_file, full):
+    """Makes the next write to an open swap file (an aio SwapFile) fail as a lost reservation does:
+    its descriptor is pointed at a sparse file of its size on the small file system ``full``, which is
+    then filled up. Reads give zeros; writes get the kernel's ENOSPC until full/filler is removed."""
+    fd = os.open(os.path.join(full, "victim"), os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, swap_file.size())  # the same size, no blocks
+    fill_up(full)
+    os.dup2(fd, swap_file.fd)
+    os.close(fd)

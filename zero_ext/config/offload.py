@@ -58,7 +58,9 @@ class OffloadParamConfig(ConfigModel):
         "Where partitioned parameters live between uses: none (accelerator), cpu or nvme.",
         ds_note='DeepSpeed\'s config docs show "cpu" as the default; its code uses "none".')
     nvme_path: Optional[str] = option(
-        None, "Directory on an NVMe drive for parameter swap files (required with nvme).",
+        None, "Directory on an NVMe drive for parameter swap files (required with nvme). zero_ext: with "
+        "an optimizer it needs room for twice the trained pieces, reserved at initialize (a spare file "
+        "per sub-group, so that a step whose write fails is undone; docs/nvme.md).",
         ds_note="DeepSpeed's docs show /local_nvme; its code default is null.")
     buffer_count: Int = option(5, "Number of swap buffers for NVMe parameter offload.", ge=0)
     buffer_size: Int = option(
@@ -90,7 +92,10 @@ class OffloadOptimizerConfig(ConfigModel):
         "optimizer step on the CPU.",
         ds_note='DeepSpeed\'s config docs show "cpu" as the default; its code uses "none".')
     nvme_path: Optional[str] = option(
-        None, "Directory on an NVMe drive for optimizer-state swap files (required with nvme).")
+        None, "Directory on an NVMe drive for optimizer-state swap files (required with nvme). zero_ext: "
+        "it needs room for twice this rank's fp32 masters and optimizer state, reserved at "
+        "initialize: each sub-group has a spare file, so that a step whose write fails is undone "
+        "(docs/nvme.md).")
     buffer_count: Int = option(
         4, "Number of swap buffers for NVMe optimizer offload; at least the number of states "
         "per parameter (4 for Adam: param, grad, momentum, variance).", ge=0)

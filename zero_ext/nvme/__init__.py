@@ -6,5 +6,6 @@ Files:
 - swapper.py: NVMeSwapper, whole tensors swapped by name.
 - store.py: NVMeStateStore, groups of tensors (fp32 masters, optimizer state) in swap files, streamed
   through a pool of host buffers.
+- groups.py: the store's records (SwapState, a group and its swap files, spare slots, a pool buffer).
 - pieces.py: NVMePieces, ZeRO-3's 16-bit parameter pieces in swap files (``offload_param: nvme``).
 """

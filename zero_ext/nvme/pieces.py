@@ -39,9 +39,10 @@ class NVMePieces:
 
     # -- registration --------------------------------------------------------------------------------------
 
-    def add_buffer(self, key: Hashable, flat: torch.Tensor, members) -> None:
-        """A buffer whose views are the pieces of ``members`` ((ZeroParam, offset, size) each)."""
-        self.store.register(key, [flat])
+    def add_buffer(self, key: Hashable, flat: torch.Tensor, members, spare_slot: bool = False) -> None:
+        """A buffer whose views are the pieces of ``members`` ((ZeroParam, offset, size) each).
+        ``spare_slot``: it gets a spare file, so that a step writing it can be undone (rollback)."""
+        self.store.register(key, [flat], spare_slot=spare_slot)
         self._views[key] = list(members)
         for zp, _, _ in members:
             self._key_of[id(zp)] = key
@@ -144,6 +145,15 @@ class NVMePieces:
         cached = self._cache.get(key)
         if cached is not None:
             cached.copy_(data)
+
+    def rollback(self) -> None:
+        """The store's open transaction undone (nvme/store.py); cached copies refreshed by its writes
+        are dropped (the next read takes the group's good data from NVMe)."""
+        for key in self.store.transaction_keys():
+            dropped = self._cache.pop(key, None)
+            if dropped is not None:
+                self._cached -= dropped.numel()
+        self.store.rollback()
 
     def cached_tensors(self):
         return list(self._cache.values())

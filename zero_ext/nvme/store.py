@@ -6,8 +6,9 @@
         optimizer_step(i)                                    # group i's tensors are in memory here
     with store.resident(i) as (master, exp_avg, exp_avg_sq):
         ...                                                  # random access: state routines, checkpoints
+    store.begin() ... store.commit() / store.rollback()      # all or nothing (groups with a spare file)
 
-What it owns: the swap file of each group (one file per group, through ``aio.NVMeSwapper``), a pool
+What it owns: the swap files of each group (one, or two with a spare: groups.py), a pool
 of ``buffer_count`` page-aligned host buffers, and each group's ``SwapState``. What it does not do:
 decide which tensors form a group, run the optimizer, or know about the engine's config (the
 engine passes ``buffer_count``, ``pin_memory`` and the ``aio`` section).
@@ -35,77 +36,20 @@ Not thread-safe: one thread drives a store (the optimizer step's).
 from __future__ import annotations
 
 import contextlib
-import enum
 import errno
 import logging
-from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from .aio import ALIGN, AioError, AioRequest, AsyncIO, PathLike, aligned_empty, round_up
+from .aio import ALIGN, AioError, AsyncIO, PathLike, aligned_empty, round_up
+from .groups import PoolBuffer, SwapGroup, SwapState, group_views, pack_layout, zero_gaps
 from .swapper import NVMeSwapper
 
 logger = logging.getLogger("zero_ext.nvme_states")
 
-TENSOR_ALIGN = 64  # bytes between the starts of a group's tensors in its file and buffer
 LP_CHUNK = 1 << 22  # elements converted per copy in register_from_lp (bounds a device temporary)
 BUFFER_COUNT_KEY = "offload_optimizer.buffer_count"
-
-
-class SwapState(enum.Enum):
-    """Where a group's data is (docs/nvme.md, SwapState)."""
-    ON_NVME = "on_nvme"            # valid in its file; tensors released (its buffer may hold a clean copy)
-    SWAPPING_IN = "swapping_in"    # a buffer is taken and the read may be in flight
-    IN_MEMORY = "in_memory"        # tensors are views of the buffer (resident)
-    SWAPPING_OUT = "swapping_out"  # write-back in flight; tensors released; buffer busy until it ends
-    INVALID = "invalid"            # the last write failed: the file holds no valid data
-
-
-class _Buffer:
-    __slots__ = ("data", "group")
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data  # (buffer_bytes,) uint8, page-aligned
-        self.group: Optional[_Group] = None  # the group whose data it holds or will hold
-
-
-class _Group:
-    __slots__ = ("key", "name", "tensors", "layout", "nbytes", "state", "buffer", "request",
-                 "holds", "error", "last_use")
-
-    def __init__(self, key, name: str, tensors: List[torch.Tensor], layout, nbytes: int):
-        self.key, self.name, self.tensors = key, name, tensors
-        self.layout: List[Tuple[int, torch.Size, torch.dtype, int]] = layout  # (offset, shape, dtype, nbytes)
-        self.nbytes = nbytes  # bytes of the packed group (the file holds round_up(nbytes))
-        self.state = SwapState.ON_NVME
-        self.buffer: Optional[_Buffer] = None
-        self.request: Optional[AioRequest] = None
-        self.holds = 0  # open resident()/stream() uses; written back when the last one ends
-        self.error: Optional[AioError] = None
-        self.last_use = 0
-
-
-def _layout(specs: Iterable[Tuple[torch.Size, torch.dtype]]):
-    """[(offset, shape, dtype, nbytes)] for tensors packed at TENSOR_ALIGN, and the total bytes."""
-    out, offset = [], 0
-    for shape, dtype in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        out.append((offset, torch.Size(shape), dtype, nbytes))
-        offset += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
-    total = out[-1][0] + out[-1][3] if out else 0
-    return out, total
-
-
-def _views(buffer: torch.Tensor, layout) -> List[torch.Tensor]:
-    return [buffer[off:off + n].view(dtype).view(shape) for off, shape, dtype, n in layout]
-
-
-def _zero_gaps(buffer: torch.Tensor, layout) -> None:
-    """Zeroes the padding between tensors before a group's first write, so a file holds only its
-    group's bytes (not what a reused buffer held) and is the same whichever path wrote it. Reads
-    fill the gaps from the file, so they stay zero."""
-    for (off, _, _, n), nxt in zip(layout, layout[1:]):
-        buffer[off + n:nxt[0]].zero_()
 
 
 class NVMeStateStore:
@@ -118,11 +62,15 @@ class NVMeStateStore:
     ``max_group_bytes``: allocate the pool at once for groups up to this size (``group_nbytes``
     computes it); None grows the pool as larger groups are registered (only while no group is in
     use, so never during a step).
+    ``spare_slot``: two files per group (the default of ``register``), the second reserved at
+    ``register``, so that a failed write-back never destroys a group's last good data and
+    ``begin``/``commit``/``rollback`` make a set of write-backs all-or-nothing ([Note: spare slots]
+    in groups.py; twice the space on NVMe).
     """
 
     def __init__(self, nvme_path: PathLike, buffer_count: int = 4, *,
                  aio: Union[AsyncIO, dict, None] = None, pin_memory: bool = True,
-                 max_group_bytes: Optional[int] = None):
+                 max_group_bytes: Optional[int] = None, spare_slot: bool = False):
         if not isinstance(buffer_count, int) or isinstance(buffer_count, bool) or buffer_count < 1:
             raise ValueError(f"{BUFFER_COUNT_KEY} must be an int >= 1 for NVMe offload, not "
                              f"{buffer_count!r}")
@@ -130,15 +78,17 @@ class NVMeStateStore:
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         self.swapper = NVMeSwapper(nvme_path, aio)
         self.aio = self.swapper.aio
-        self._groups: Dict[Hashable, _Group] = {}
+        self._groups: Dict[Hashable, SwapGroup] = {}
         self._by_tensor: Dict[int, Hashable] = {}  # id(tensor) -> key: a tensor belongs to one group
-        self._buffers: List[_Buffer] = []
+        self._buffers: List[PoolBuffer] = []
         self._buffer_bytes = 0
         self._fixed_size = max_group_bytes is not None
         self._clock = 0  # for least-recently-used choice among clean buffers
         self._files_made = 0
         self._destroyed = False
         self._held: set = set()  # groups in_memory() holds in ordinary memory
+        self.spare_slot = bool(spare_slot)
+        self._txn: Optional[Dict[Hashable, SwapGroup]] = None  # groups written in the open transaction
         if max_group_bytes is not None:
             self._allocate_pool(max_group_bytes)
 
@@ -149,11 +99,11 @@ class NVMeStateStore:
         """Buffer bytes a group needs: ``specs`` are its tensors, or (shape, dtype) pairs."""
         pairs = [(s.shape, s.dtype) if isinstance(s, torch.Tensor) else (torch.Size(s[0]), s[1])
                  for s in specs]
-        return _layout(pairs)[1]
+        return pack_layout(pairs)[1]
 
     def nvme_bytes(self) -> int:
-        """Bytes held in this store's swap files."""
-        return sum(round_up(g.nbytes) for g in self._groups.values())
+        """Bytes held in this store's swap files (both slots of each group with ``spare_slot``)."""
+        return sum(round_up(g.nbytes) * len(g.names) for g in self._groups.values())
 
     def host_bytes(self) -> int:
         """Bytes of the host buffer pool (the only host memory this store holds)."""
@@ -177,11 +127,12 @@ class NVMeStateStore:
 
     # -- registration --------------------------------------------------------------------------------
 
-    def register(self, key: Hashable, tensors: Sequence[torch.Tensor]) -> None:
+    def register(self, key: Hashable, tensors: Sequence[torch.Tensor], spare_slot: Optional[bool] = None) -> None:
         """Writes ``tensors`` (CPU tensors of any dtype and shape) as group ``key``, then releases
         their storage; the objects stay valid and become resident again in ``resident``/``stream``.
         Synchronous: if the write fails (AioError, e.g. a full drive) the tensors are left as they
-        were and ``key`` is not registered."""
+        were and ``key`` is not registered. ``spare_slot``: whether the group has a spare file
+        (default: the store's)."""
         tensors = list(tensors)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
@@ -189,9 +140,9 @@ class NVMeStateStore:
             if t.device.type != "cpu":
                 raise ValueError(f"register({key!r}): tensor {i} is on {t.device}; NVMe offload "
                                  "keeps CPU tensors (copy it to the CPU first)")
-        group = self._new_group(key, tensors, [(t.shape, t.dtype) for t in tensors])
-        views = _views(group.buffer.data, group.layout)
-        _zero_gaps(group.buffer.data, group.layout)
+        group = self._new_group(key, tensors, [(t.shape, t.dtype) for t in tensors], spare_slot)
+        views = group_views(group.buffer.data, group.layout)
+        zero_gaps(group.buffer.data, group.layout)
         with torch.no_grad():
             for view, t in zip(views, tensors):
                 view.copy_(t)
@@ -210,8 +161,8 @@ class NVMeStateStore:
         shapes += [torch.Size((n,) if isinstance(n, int) else n) for n in extra_zero_tensors_numels]
         tensors = [torch.empty(0, dtype=dtype) for _ in shapes]
         group = self._new_group(key, tensors, [(s, dtype) for s in shapes])
-        views = _views(group.buffer.data, group.layout)
-        _zero_gaps(group.buffer.data, group.layout)
+        views = group_views(group.buffer.data, group.layout)
+        zero_gaps(group.buffer.data, group.layout)
         with torch.no_grad():
             for view, lp in zip(views, lp_tensors):
                 flat_out, flat_in = view.view(-1), lp.detach().reshape(-1)
@@ -222,7 +173,7 @@ class NVMeStateStore:
         self._write_new_group(group)
         return list(tensors)
 
-    def _new_group(self, key, tensors, specs) -> _Group:
+    def _new_group(self, key, tensors, specs, spare_slot: Optional[bool] = None) -> SwapGroup:
         """Checks, sizes the pool, and gives the new group a buffer (not yet in self._groups)."""
         self._check_alive()
         if key in self._groups:
@@ -234,21 +185,26 @@ class NVMeStateStore:
                 raise ValueError(f"register({key!r}): tensor {i} is already in group {owner!r}; "
                                  "a tensor can belong to one group once")
             seen.add(id(t))
-        layout, nbytes = _layout(specs)
+        layout, nbytes = pack_layout(specs)
         self._ensure_pool(nbytes, key)
         self._files_made += 1  # file names never repeat, even after a failed register
-        group = _Group(key, f"group{self._files_made:05d}.swp", tensors, layout, nbytes)
+        spare = self.spare_slot if spare_slot is None else bool(spare_slot)
+        names = [f"group{self._files_made:05d}.swp"] + [f"group{self._files_made:05d}.spare.swp"] * spare
+        group = SwapGroup(key, names, tensors, layout, nbytes)
         self._take_buffer(group)
         return group
 
-    def _write_new_group(self, group: _Group) -> None:
+    def _write_new_group(self, group: SwapGroup) -> None:
         buf = group.buffer
         try:
-            self.swapper.swap_out(group.name, buf.data[:group.nbytes]).wait()
+            self.swapper.swap_out(group.names[0], buf.data[:group.nbytes]).wait()
+            if len(group.names) == 2:  # reserved now: a drive too small for both fails here, not in a step
+                self.swapper.reserve(group.names[1], group.nbytes)
         except BaseException:
             buf.group, group.buffer = None, None
-            with contextlib.suppress(OSError):
-                self.swapper.remove(group.name)
+            for name in group.names:
+                with contextlib.suppress(OSError):
+                    self.swapper.remove(name)
             raise
         self._groups[group.key] = group
         for t in group.tensors:
@@ -262,7 +218,7 @@ class NVMeStateStore:
         size = max(round_up(nbytes), ALIGN)
         if self._buffers:  # no I/O on them is in flight (see _ensure_pool)
             self.aio.unregister_buffers([b.data for b in self._buffers])
-        self._buffers = [_Buffer(aligned_empty(size, torch.uint8, pin_memory=self.pin_memory))
+        self._buffers = [PoolBuffer(aligned_empty(size, torch.uint8, pin_memory=self.pin_memory))
                          for _ in range(self.buffer_count)]
         self._buffer_bytes = size
         # io_uring fixed buffers: the pool's pages are pinned once, not on every request
@@ -284,11 +240,11 @@ class NVMeStateStore:
                 b.group.buffer = None
         self._allocate_pool(nbytes)
 
-    def _touch(self, group: _Group) -> None:
+    def _touch(self, group: SwapGroup) -> None:
         self._clock += 1
         group.last_use = self._clock
 
-    def _take_buffer(self, group: _Group) -> bool:
+    def _take_buffer(self, group: SwapGroup) -> bool:
         """Gives ``group`` a buffer; True when that buffer already holds its data (no read needed).
         See [Note: buffer reuse]."""
         if group.buffer is not None:
@@ -324,16 +280,17 @@ class NVMeStateStore:
         for t in group.tensors:
             self._by_tensor.pop(id(t), None)
         del self._groups[key]
-        self.swapper.remove(group.name)
+        for name in group.names:
+            self.swapper.remove(name)
 
-    def _drop_buffer(self, group: _Group) -> None:
+    def _drop_buffer(self, group: SwapGroup) -> None:
         if group.buffer is not None:
             group.buffer.group = None
             group.buffer = None
 
     # -- group transitions ---------------------------------------------------------------------------
 
-    def _group(self, key) -> _Group:
+    def _group(self, key) -> SwapGroup:
         self._check_alive()
         group = self._groups.get(key)
         if group is None:
@@ -341,7 +298,7 @@ class NVMeStateStore:
                            "written for it, so there is nothing to read)")
         return group
 
-    def _start_read(self, group: _Group) -> None:
+    def _start_read(self, group: SwapGroup) -> None:
         """ON_NVME -> SWAPPING_IN (read submitted, or none needed); no-op if already on its way in."""
         if group.state == SwapState.SWAPPING_OUT:
             self._finish_write(group)  # the buffer then still holds the data: no read needed
@@ -360,7 +317,7 @@ class NVMeStateStore:
                 raise
         group.state = SwapState.SWAPPING_IN
 
-    def _finish_read(self, group: _Group) -> None:
+    def _finish_read(self, group: SwapGroup) -> None:
         """SWAPPING_IN -> IN_MEMORY (tensors point into the buffer); adds a hold."""
         if group.state == SwapState.SWAPPING_IN:
             req, group.request = group.request, None
@@ -372,20 +329,20 @@ class NVMeStateStore:
                     self._drop_buffer(group)
                     group.state = SwapState.ON_NVME
                     raise
-            for t, view in zip(group.tensors, _views(group.buffer.data, group.layout)):
+            for t, view in zip(group.tensors, group_views(group.buffer.data, group.layout)):
                 t.data = view
             group.state = SwapState.IN_MEMORY
         group.holds += 1
         self._touch(group)
 
-    def _release(self, group: _Group, modified: bool) -> None:
+    def _release(self, group: SwapGroup, modified: bool) -> None:
         """Drops a hold; the last one starts the write-back (IN_MEMORY -> SWAPPING_OUT) or, when
         not modified, goes straight to ON_NVME. Tensors are released either way."""
         group.holds -= 1
         if group.holds > 0:
             return
         if modified:
-            views = _views(group.buffer.data, group.layout)
+            views = group_views(group.buffer.data, group.layout)
             for i, (t, view) in enumerate(zip(group.tensors, views)):
                 if t.data_ptr() != view.data_ptr() or t.shape != view.shape:
                     self._release_tensors(group)
@@ -401,15 +358,18 @@ class NVMeStateStore:
             group.state = SwapState.ON_NVME
             self._drop_buffer(group)  # it may differ from the file if the caller broke the promise
             return
+        group.writing = 1 - group.valid if len(group.names) == 2 else 0
+        if self._txn is not None:
+            self._txn[group.key] = group
         try:
-            group.request = self.swapper.swap_out(group.name, group.buffer.data[:group.nbytes])
+            group.request = self.swapper.swap_out(group.names[group.writing], group.buffer.data[:group.nbytes])
         except AioError as exc:
             self._drop_buffer(group)
             group.state, group.error = SwapState.INVALID, exc
             raise
         group.state = SwapState.SWAPPING_OUT
 
-    def _finish_write(self, group: _Group) -> None:
+    def _finish_write(self, group: SwapGroup) -> None:
         """SWAPPING_OUT -> ON_NVME (buffer kept as a clean copy), or INVALID (raises) on failure."""
         if group.state != SwapState.SWAPPING_OUT:
             return
@@ -421,14 +381,16 @@ class NVMeStateStore:
             self._drop_buffer(group)
             group.state, group.error = SwapState.INVALID, exc
             raise
-        group.state = SwapState.ON_NVME
+        group.state, group.newest = SwapState.ON_NVME, group.writing
+        if self._txn is None:
+            group.valid = group.writing
 
     @staticmethod
-    def _release_tensors(group: _Group) -> None:
+    def _release_tensors(group: SwapGroup) -> None:
         for t in group.tensors:
             t.data = torch.empty(0, dtype=t.dtype)
 
-    def _settle(self, groups: Iterable[_Group], raise_errors: bool) -> None:
+    def _settle(self, groups: Iterable[SwapGroup], raise_errors: bool, quiet: bool = False) -> None:
         """Waits for every read and write of ``groups`` in flight; a read nobody will use leaves
         its data in the buffer as a clean copy. Raises the first write error if asked (it is
         recorded in the group either way)."""
@@ -447,11 +409,61 @@ class NVMeStateStore:
                     self._finish_write(group)
                 except AioError as exc:
                     first = first or exc
-                    if not raise_errors:
+                    if not raise_errors and not quiet:
                         logger.warning("write-back of NVMe group %r failed while another error was "
                                        "raised; the group is invalid: %s", group.key, exc)
         if first is not None and raise_errors:
             raise first
+
+    # -- transactions ([Note: spare slots]) -------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Opens a transaction: from now on a written group's new data goes to its spare file and is
+        read from there, while its last committed data stays where it was until ``commit``."""
+        self._check_alive()
+        if self._txn is not None:
+            raise RuntimeError("an NVMe store transaction is already open")
+        self._txn = {}
+
+    def commit(self) -> None:
+        """Makes every write of the open transaction the groups' good data. Every write must have
+        finished and succeeded (the caller's loop ended normally; ``stream`` waits for its writes)."""
+        groups, self._txn = self._txn or {}, None
+        bad = [g.key for g in groups.values() if g.state != SwapState.ON_NVME]
+        if bad:  # (a caller's bug: nothing is committed, and the transaction is rolled back)
+            self._txn = groups
+            self.rollback()
+            raise RuntimeError(f"commit of NVMe groups {bad} that are in use or whose write failed; rolled back")
+        for group in groups.values():
+            group.valid = group.newest
+
+    def rollback(self) -> None:
+        """Forgets every write of the open transaction: I/O in flight is waited for (its errors are
+        part of what is forgotten), the buffers holding new data are dropped, and each group is again
+        its last committed data (a group whose write failed included). Groups still in use (resident)
+        are an error: close the loops and ``resident`` blocks first. A group without a spare file was
+        written in place: it becomes INVALID (its last good data is gone)."""
+        groups = self._txn or {}
+        self._settle(list(groups.values()), raise_errors=False, quiet=True)
+        busy = [g.key for g in groups.values() if g.holds > 0]
+        if busy:
+            raise RuntimeError(f"rollback of NVMe groups {busy} that are still resident")
+        self._txn = None
+        for group in groups.values():
+            self._drop_buffer(group)
+            group.state, group.error, group.newest = SwapState.ON_NVME, None, group.valid
+            if len(group.names) == 1:
+                group.state, group.error = SwapState.INVALID, AioError(
+                    errno.EINVAL, "it was written in place in a transaction that was rolled back",
+                    self.swapper.dir.file(group.name))
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._txn is not None
+
+    def transaction_keys(self) -> List[Hashable]:
+        """The groups written in the open transaction so far (none when no transaction is open)."""
+        return list(self._txn or ())
 
     # -- access --------------------------------------------------------------------------------------
 
@@ -525,7 +537,7 @@ class NVMeStateStore:
                              f"read, one for the previous group's write); it is {self.buffer_count}")
         return self._stream(groups, bool(pipeline_read), bool(pipeline_write))
 
-    def _stream(self, groups: List[_Group], pipeline_read: bool, pipeline_write: bool):
+    def _stream(self, groups: List[SwapGroup], pipeline_read: bool, pipeline_write: bool):
         ok = False  # raise write errors at the end of the loop or on close(), not over another error
         try:
             for i, group in enumerate(groups):

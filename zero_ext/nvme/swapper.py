@@ -53,6 +53,11 @@ class NVMeSwapper:
                            f"({need - size} bytes needed, {free} bytes free on its file system); "
                            "free space under nvme_path or point it to a larger drive", f.path) from None
 
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Creates swap file ``name`` with room for ``nbytes`` (AioError when the drive has not), to be
+        written later; it holds nothing readable until then."""
+        self._reserve(self._file(name), nbytes)
+
     def swap_out(self, name: str, tensor: torch.Tensor) -> AioRequest:
         """Starts writing ``tensor`` to swap file ``name``. Keep it unchanged until waited."""
         f = self._file(name)

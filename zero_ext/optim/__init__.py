@@ -7,6 +7,7 @@ Files:
 - shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
   quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all (two levels across nodes).
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
+- nvme_step.py: the step with NVMe optimizer offload, all or nothing on every rank (NVMeStepError).
 - step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing
   something else raises, named, on every rank).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.

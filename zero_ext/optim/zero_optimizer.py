@@ -24,6 +24,7 @@ from ..ops.functional import grad_sqnorm
 from .flat_group import FlatGroup
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
+from .nvme_step import nvme_step
 
 
 class ZeroOptimizer:
@@ -248,58 +249,54 @@ class ZeroOptimizer:
                 _lp_upload(g, targets[id(g)])
             return
         # NVMe: one group at a time. Optimizer state streams through the store's buffers (the next read and
-        # the previous write-back overlap this group's update with pipeline_read / pipeline_write); with
-        # offload_param nvme the group's 16-bit pieces are brought in as the output and written back.
+        # the previous write-back overlap this group's update with pipeline_read / pipeline_write), all or
+        # nothing across the ranks ([Note: NVMe step transaction], nvme_step.py); with offload_param nvme
+        # the group's 16-bit pieces are brought in as the output and written back.
         keys = list(range(len(self.flat_groups)))
         if self.nvme is None:
             for k in keys:
                 self._step_group(k, combined)
             return
-        streamed, targets = [], {}
+        streamed = []
         for k in keys:
-            if k in self._materialized:
-                continue
-            if k in self._slices:
-                targets[k] = _lp_target(self.flat_groups[k])
+            if k in self._slices and k not in self._materialized:
                 streamed += [(k, j) for j in range(len(self._slices[k]))]
-            else:
+            elif k not in self._materialized:
                 streamed.append(k)
-        for key in self.nvme.stream(streamed, *self._pipeline):
-            if isinstance(key, tuple):
-                self._step_slice(*key, combined, targets[key[0]])
-            else:
-                self._step_group(key, combined)
-        for k, target in targets.items():  # every slice stepped: count the step, upload the 16-bit copy
-            state = self.optimizer.state[self.flat_groups[k].master]
-            state["step"] = int(state["step"]) + 1
-            if target is not None:
-                _lp_upload(self.flat_groups[k], target)
+        nvme_step(self, combined, streamed, self._step_slice, self._step_group, self._pipeline)
         for k in sorted(self._materialized):  # (a step inside materialized(): those are in memory)
             self._step_group(k, combined)
 
-    def _step_slice(self, k: int, j: int, combined: float, target) -> None:
+    def _step_slice(self, k: int, j: int, combined: float, staged: torch.Tensor) -> None:
         """Slice j of group k (resident in the store): the update of its master and state, and its part of
-        the 16-bit copy (fp32 models: the master slice itself into the parameters)."""
+        the new parameters, into the group's staging buffer (nvme_step.py applies it after the step)."""
         g = self.flat_groups[k]
         a, b = self._slices[k][j]
         base = self.optimizer
         master, *states = self.nvme.tensors((k, j))
         group = next(pg for pg in base.param_groups if any(m is g.master for m in pg["params"]))
         step = int(base.state[g.master]["step"]) + 1
+        fp32 = staged.dtype == torch.float32
         base.step_slice(group, master, g.grad[a:b], dict(zip(base.state_keys, states)), step,
-                        out=None if target is None else target[a:b], grad_scale=combined)
-        if target is None and not _aliased(g):
-            g.flat[g.lo + a:g.lo + b].copy_(master)
+                        out=None if fp32 else staged[a:b], grad_scale=combined)
+        if fp32:
+            staged[a:b].copy_(master)
 
-    def _step_group(self, k: int, combined: float) -> None:
+    def _step_group(self, k: int, combined: float, staged: Optional[torch.Tensor] = None) -> None:
+        """Whole group k (in memory, or resident in the store): its update, with the new parameters into
+        ``staged`` when given (the NVMe step), else into the model (with offload_param nvme: its pieces)."""
         g = self.flat_groups[k]
         pieces = self.nvme_pieces.resident_key(("lp", k), modified=True) if self.nvme_pieces is not None \
             else contextlib.nullcontext()
         with pieces:
-            target = _lp_target(g)
+            fp32 = staged is not None and staged.dtype == torch.float32
+            target = _lp_target(g) if staged is None else None if fp32 else staged
             outs = [[target if m is g.master else None for m in pg["params"]] for pg in self.optimizer.param_groups]
             self.optimizer.step(fp16_param_groups=outs, grad_scale=combined, params=[g.master])
-            _lp_upload(g, target)
+            if staged is None:
+                _lp_upload(g, target)
+            elif fp32:
+                staged.copy_(g.master)
 
     # -- NVMe (ZeRO-Infinity) -----------------------------------------------------------------------------
 
