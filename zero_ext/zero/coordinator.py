@@ -59,7 +59,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import collectives, internal
-from .fetch import FetchOrderError, FetchSite, check_agreement, issue, raise_disagreement, release, wait_gathered
+from .fetch import FetchOrderError, FetchSite, agree_rows, check_agreement, issue, raise_disagreement, release
+from .fetch import wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
 from .resident import Residency
@@ -292,8 +293,7 @@ class PrefetchCoordinator:
 
     def _streaming_failed(self) -> None:
         """A streamed gather's stamps differed (raised on every rank): nothing more follows this trace."""
-        self.streaming, self._stamped = None, False
-        self.state = TraceState.INVALID
+        self.streaming, self._stamped, self.state = None, False, TraceState.INVALID
 
     # -- resident decoding (resident.py) -----------------------------------------------------------------
 
@@ -347,7 +347,7 @@ class PrefetchCoordinator:
         # the traces of all ranks must be the same for their prefetches to match: compare them (one
         # small all-gather per recording); if they differ, keep fetching on demand (each fetch checked)
         row = [FetchKind.TRACE.value, -1, len(trace), trace.numel, collectives.digest(trace.fingerprint()), 0]
-        rows = collectives.agree(row, self._group, self._device)
+        rows = agree_rows(row, self._group, self._device, counted=False)
         if any(r[0] != FetchKind.TRACE.value for r in rows):  # a rank is elsewhere (e.g. GatheredParameters)
             raise_disagreement(rows, FetchSite(FetchKind.TRACE, namer=self.namer))
         if any(r[:5] != rows[0][:5] for r in rows):

@@ -184,9 +184,10 @@ def agreements() -> int:
     return _AGREEMENTS[0]
 
 
-def agree_rows(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
-    """``collectives.agree``, counted in ``agreements()`` (for agreement rows built elsewhere: resident.py)."""
-    _AGREEMENTS[0] += 1
+def agree_rows(row: Sequence[int], group, device: torch.device, counted: bool = True) -> List[List[int]]:
+    """``collectives.agree``, counted in ``agreements()`` unless not ``counted`` (for agreement rows built
+    elsewhere: resident.py, the coordinator's trace comparison)."""
+    _AGREEMENTS[0] += 1 if counted else 0
     return _agree_rows(row, group, device)
 
 
