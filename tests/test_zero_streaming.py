@@ -10,7 +10,7 @@ the fetch-order check carried in the gathers' stamps.
 - a rank-dependent branch (an extra module call on one rank), a module skipped on one rank, and ranks
   running different numbers of forwards before training goes on: FetchOrderError on every rank, within
   the test's time bound (no hang), naming what the diverging rank did; afterwards the ranks record again
-  and compute exactly;
+  and compute exactly; gathers of the same size with different stamps: the same, by the stamps;
 - with torch.distributed carrying the gathers (ZERO_EXT_COMM=torch) the batches keep their rows.
 """
 import importlib.util
@@ -151,6 +151,46 @@ def test_ranks_that_ran_different_numbers_of_forwards_get_a_named_error_when_tra
     for mode, message in results:
         assert mode == ("resident" if resident else "streaming"), mode
         assert message is not None, results
+
+
+def _stamps_apart_case():
+    from zero_ext.comm import native
+    from zero_ext.zero import FetchOrderError, ZeroModel
+
+    torch.manual_seed(0)
+    model, plain = _Chain(), _Chain()
+    plain.load_state_dict(model.state_dict())
+    zm = ZeroModel(model, param_persistence_threshold=0, max_live_parameters=200, max_reuse_distance=0)
+    x = torch.randn(2, 8)
+    raised, same = [], []
+    with torch.no_grad():
+        for _ in range(5):
+            model(x)
+        communicator = native.existing(None)
+        # The gathers of ranks at different streaming forwards with the same batches have the same sizes,
+        # so the transport moves their bytes and only the stamps tell them apart. Ranks get there by
+        # paths that leave the op counts equal (rare); the forward column of rank 1's stamps is moved here
+        # to reach that comparison directly, over the real collectives.
+        if rank() == 1:
+            zm.coordinator.streaming.forwards += 1
+        for f in range(4):
+            try:
+                same.append(torch.equal(model(x), plain(x)))
+            except FetchOrderError as exc:
+                raised.append((f, str(exc)))
+    kept = native.existing(None) is communicator
+    zm.destroy()
+    return raised, same, kept
+
+
+def test_gathers_of_the_same_size_are_told_apart_by_their_stamps():
+    for raised, same, kept in run_ranks(2, _stamps_apart_case, timeout=TIMEOUT):
+        assert [f for f, _ in raised] == [0], raised
+        assert "gathered different parameters while decoding" in raised[0][1], raised[0][1]
+        assert "rank 0: decoding along the recorded trace: streaming forward 4" in raised[0][1], raised[0][1]
+        assert "rank 1: decoding along the recorded trace: streaming forward 5" in raised[0][1], raised[0][1]
+        assert all(same), same  # the next forwards record again and match
+        assert kept  # the ranks settled in one barrier: nothing was in flight, the communicator stays
 
 
 def _torch_transport_case():
