@@ -53,7 +53,7 @@ def build(kind: str):
     return model.eval()
 
 
-def worker(rank, world, kind, tokens, repeats, fraction, port, queue):
+def worker(rank, world, kind, tokens, repeats, fraction, reuse, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
@@ -89,6 +89,8 @@ def worker(rank, world, kind, tokens, repeats, fraction, port, queue):
     engine = zero_ext.initialize(model=build(kind), config=cfg)[0]
     live = int(sum(p.numel() for p in plain.parameters()) * fraction)
     small = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage3_max_live_parameters": live}}
+    if reuse is not None:
+        small["zero_optimization"]["stage3_max_reuse_distance"] = reuse
     streaming = zero_ext.initialize(model=build(kind), config=small)[0]
     rows = zero_ext.initialize(model=build(kind), config=small)[0]
     rows.zero_model.coordinator.stream_stamps = False  # the check as before streaming.py: a row per batch
@@ -133,9 +135,11 @@ def main():
     p.add_argument("--models", default="llama,gpt2")
     p.add_argument("--live-fraction", type=float, default=0.25,
                    help="stage3_max_live_parameters of the streaming mode, as a fraction of the model")
+    p.add_argument("--reuse", type=int, default=None,
+                   help="stage3_max_reuse_distance of the streaming modes (default: the config default, 1e9)")
     a = p.parse_args()
     for kind in a.models.split(","):
-        results, counts, stats, streamed = spawn_ranks(worker, (a.world, kind, a.tokens, a.repeats, a.live_fraction), a.world, 900, kind)[0]
+        results, counts, stats, streamed = spawn_ranks(worker, (a.world, kind, a.tokens, a.repeats, a.live_fraction, a.reuse), a.world, 900, kind)[0]
         base_wall, base_cpu, _ = results["unpartitioned"][0]
         n = sum(p.numel() for p in build(kind).parameters())
         print(f"\n{kind}: {n / 1e6:.1f}M parameters, {a.tokens} new tokens, greedy, synced_gpus=True, "
