@@ -13,8 +13,11 @@ mode, the best round of each: on a shared machine every mode sees the same load)
   stage3_max_live_parameters, makes it resident (zero/resident.py): later forwards gather nothing and
   the ranks compare their fetches after resident forwards 1, 2, 4, ..., 64 and every 64th;
   "no check": the same with the fetch-order agreement off (ZERO_EXT_CHECK_FETCH_ORDER=0), its share;
-  "streaming": stage3_max_live_parameters at half the model, so it cannot be resident: each forward
-  gathers what was not kept, prefetched along the trace, and ends with the fetch-order check;
+  "streaming": stage3_max_live_parameters at ``--live-fraction`` of the model (default a quarter), so
+  it cannot be resident: each forward gathers what was not kept, prefetched along the trace (see
+  [Note: streaming decoding] in zero/streaming.py: its fetch order is checked by stamps in the gathers);
+  "streaming, rows": the same with the check as it was before (one agreement row per prefetch batch, per
+  on-demand gather and per forward);
 - gathered: inside ``GatheredParameters(model.parameters())`` (what TRL's unwrap_model_for_generation does);
 - generation mode: inside ``zero_ext.zero.generation(engine)`` (the same, after its memory check).
 
@@ -30,8 +33,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _spawn import spawn_ranks  # noqa: E402
 
-MODES = ("unpartitioned", "partitioned", "partitioned, no check", "partitioned, streaming", "gathered",
-         "generation mode")
+MODES = ("unpartitioned", "partitioned", "partitioned, no check", "partitioned, streaming",
+         "streaming, rows", "gathered", "generation mode")
 
 
 def build(kind: str):
@@ -50,7 +53,7 @@ def build(kind: str):
     return model.eval()
 
 
-def worker(rank, world, kind, tokens, repeats, port, queue):
+def worker(rank, world, kind, tokens, repeats, fraction, reuse, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch
@@ -84,9 +87,13 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
                                                                       "stage3_param_persistence_threshold": 0}}
     plain = build(kind)
     engine = zero_ext.initialize(model=build(kind), config=cfg)[0]
-    half = sum(p.numel() for p in plain.parameters()) // 2
-    streaming = zero_ext.initialize(model=build(kind), config={**cfg, "zero_optimization": {
-        **cfg["zero_optimization"], "stage3_max_live_parameters": half}})[0]
+    live = int(sum(p.numel() for p in plain.parameters()) * fraction)
+    small = {**cfg, "zero_optimization": {**cfg["zero_optimization"], "stage3_max_live_parameters": live}}
+    if reuse is not None:
+        small["zero_optimization"]["stage3_max_reuse_distance"] = reuse
+    streaming = zero_ext.initialize(model=build(kind), config=small)[0]
+    rows = zero_ext.initialize(model=build(kind), config=small)[0]
+    rows.zero_model.coordinator.stream_stamps = False  # the check as before streaming.py: a row per batch
     os.environ["ZERO_EXT_CHECK_FETCH_ORDER"] = "0"
     unchecked = zero_ext.initialize(model=build(kind), config=cfg)[0]
     model = engine.module
@@ -94,12 +101,13 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
             "partitioned": (model, contextlib.nullcontext),
             "partitioned, no check": (unchecked.module, contextlib.nullcontext),
             "partitioned, streaming": (streaming.module, contextlib.nullcontext),
+            "streaming, rows": (rows.module, contextlib.nullcontext),
             "gathered": (model, lambda: GatheredParameters(list(model.parameters()))),
             "generation mode": (model, lambda: generation(engine))}
     for mode, (m, around) in runs.items():  # warm-up; the partitioned ones record their trace
         once(m, around)
     counts = {}
-    for label, e in (("partitioned", engine), ("partitioned, streaming", streaming)):
+    for label, e in (("partitioned", engine), ("partitioned, streaming", streaming), ("streaming, rows", rows)):
         before = (fetch.agreements(), e.zero_model.meter.gathers)
         once(e.module, contextlib.nullcontext)
         counts[label] = ((fetch.agreements() - before[0]) / tokens, (e.zero_model.meter.gathers - before[1]) / tokens)
@@ -110,11 +118,13 @@ def worker(rank, world, kind, tokens, repeats, port, queue):
             times, toks = once(m, around)
             results[mode] = (tuple(min(a, b) for a, b in zip(times, results[mode][0])), toks)
     stats = engine.zero_model.coordinator.stats.as_dict()
+    streamed = streaming.zero_model.coordinator.stats.as_dict()
     engine.destroy()
     unchecked.destroy()
     streaming.destroy()
+    rows.destroy()
     if rank == 0:
-        queue.put((results, counts, stats))
+        queue.put((results, counts, stats, streamed))
 
 
 def main():
@@ -123,9 +133,13 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--models", default="llama,gpt2")
+    p.add_argument("--live-fraction", type=float, default=0.25,
+                   help="stage3_max_live_parameters of the streaming mode, as a fraction of the model")
+    p.add_argument("--reuse", type=int, default=None,
+                   help="stage3_max_reuse_distance of the streaming modes (default: the config default, 1e9)")
     a = p.parse_args()
     for kind in a.models.split(","):
-        results, counts, stats = spawn_ranks(worker, (a.world, kind, a.tokens, a.repeats), a.world, 900, kind)[0]
+        results, counts, stats, streamed = spawn_ranks(worker, (a.world, kind, a.tokens, a.repeats, a.live_fraction, a.reuse), a.world, 900, kind)[0]
         base_wall, base_cpu, _ = results["unpartitioned"][0]
         n = sum(p.numel() for p in build(kind).parameters())
         print(f"\n{kind}: {n / 1e6:.1f}M parameters, {a.tokens} new tokens, greedy, synced_gpus=True, "
@@ -144,6 +158,7 @@ def main():
             print(f"{label}, per token of a generate call after the warm-up: {agreements:.2f} fetch-order "
                   f"agreements, {gathers:.2f} parameter gathers")
         print(f"partitioned, coordinator counters at the end: {stats}")
+        print(f"streaming (max_live_parameters {a.live_fraction:g} of the model), counters at the end: {streamed}")
 
 
 if __name__ == "__main__":

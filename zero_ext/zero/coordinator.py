@@ -59,11 +59,13 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from . import collectives, internal
-from .fetch import FetchOrderError, FetchSite, check_agreement, issue, raise_disagreement, release, wait_gathered
+from .fetch import FetchOrderError, FetchSite, agree_rows, check_agreement, issue, raise_disagreement, release
+from .fetch import wait_gathered
 from .meter import GatherMeter
 from .param import ZeroParam
 from .resident import Residency
 from .status import FetchKind, TraceState, ZeroParamStatus
+from .streaming import Streaming, eligible as streaming_eligible
 from .trace import Trace, make_event
 
 logger = logging.getLogger("zero_ext.zero.coordinator")
@@ -104,7 +106,8 @@ class PrefetchStats:
     """Counters of what the coordinator did (diagnostics, benchmarks and tests)."""
 
     __slots__ = ("recorded", "traced_steps", "batches", "prefetched", "served_ahead", "on_demand", "retained",
-                 "invalidations", "checkpoints", "resident_forwards", "resident_checks")
+                 "invalidations", "checkpoints", "resident_forwards", "resident_checks", "streamed_forwards",
+                 "fence_rows")
 
     def __init__(self):
         for name in self.__slots__:
@@ -151,6 +154,9 @@ class PrefetchCoordinator:
         self._carry = False  # the step that ended repeats its trace next: what is kept for it stays
         self.residency: Optional[Residency] = None  # decoding with the whole model gathered (resident.py)
         self.resident_candidates = lambda: []  # every parameter the model's calls can fetch (set by ZeroModel)
+        self.streaming: Optional[Streaming] = None  # decoding checked by stamps in the gathers (streaming.py)
+        self._fence: Optional[Streaming] = None  # set during a streaming forward: it ends with a fence
+        self.stream_stamps = True  # False: streaming forwards keep a row per batch (what benchmarks compare)
 
     # -- step boundaries ---------------------------------------------------------------------------------
 
@@ -161,6 +167,14 @@ class PrefetchCoordinator:
                 self._pos, self._diverged = 0, False
                 return
             self.end_residency(check=True)  # training goes on: last check, then gathered as it needs
+        if self.streaming is not None:
+            if not torch.is_grad_enabled() and self.state is TraceState.COMPLETE:
+                self._begin_streamed_forward()
+                return
+            # training goes on (every streamed gather was checked by its stamps and each forward's fence);
+            # the last forward followed the trace to its end, its fence prefetched for a repetition that
+            # did not come (released by the drain)
+            self.streaming, self._pos = None, len(self.trace) if self.trace is not None else 0
         self.drain(keep_retained=self._carry)
         self._carry = False
         if self.state is TraceState.RECORD and self._recording:
@@ -184,6 +198,11 @@ class PrefetchCoordinator:
         (see [Note: resident decoding] in resident.py)."""
         if self.residency is not None and not repeat:  # a backward (of a graph from before decoding) ended
             self.end_residency(check=True)
+        if self._fence is not None:
+            self._end_streamed_forward(repeat)
+            return
+        if not repeat:
+            self.streaming = None
         if self.residency is not None:
             if not self._diverged and self._pos != len(self.trace):
                 self.residency.left_trace(self._pos, None, -1)
@@ -201,16 +220,80 @@ class PrefetchCoordinator:
         self._carry = (repeat and self.state is TraceState.COMPLETE and not self._diverged
                        and self.trace.forward_only and self._pos == len(self.trace))
         resident = self._carry and self._fits_resident()
-        if resident and self._stamped:  # the check that ends this step carries the decision: taken together
+        stream = self._carry and not resident and self._stamped and self._may_stream()
+        if (resident or stream) and self._stamped:  # the check that ends this step carries the decision
             self._unverified = 0
             self.stats.checkpoints += 1
             self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1,
-                        self._stamp() + (1,))
+                        self._stamp() + (1 if resident else 2,))
         else:
             self.checkpoint()
         self.drain(keep_retained=self._carry)
         if resident:
             self._become_resident()
+        elif stream:
+            self.streaming, self._stamped = Streaming(self._group, self.namer, self._streaming_failed), False
+            self._fence_gathers(self.streaming)
+
+    # -- streaming decoding (streaming.py) ---------------------------------------------------------------
+
+    def _may_stream(self) -> bool:
+        """Whether decoding along this trace can be checked by stamps in its gathers instead of rows."""
+        return self.stream_stamps and self.trace.forward_only and streaming_eligible(
+            [zp for ev in self.trace.events for zp in ev.params], self._group)
+
+    def _begin_streamed_forward(self) -> None:
+        """A decoding forward repeats the trace: go on from what the last one's fence gathered."""
+        stream = self._fence = self.streaming
+        stream.forwards += 1
+        self.stats.streamed_forwards += 1
+        self.stats.traced_steps += 1
+        self._pos, self._diverged, self._unverified = 0, False, 0
+        self._prefetch_ahead()
+
+    def _end_streamed_forward(self, repeat: bool) -> None:
+        """The fence that ends every streaming forward (see [Note: streaming decoding])."""
+        stream, self._fence = self._fence, None
+        if stream.failed:  # raised already, on every rank
+            self.drain()
+            return
+        if not (repeat and self.state is TraceState.COMPLETE and not self._diverged and self._pos == len(self.trace)):
+            self.streaming = None  # left the trace, or ended early: a row says where, the others' fences differ
+            self._fence_row(stream, (self._pos, int(self._diverged), stream.forwards, 0))
+            if self.state is TraceState.COMPLETE:  # (every rank ended the same way: record again)
+                self._invalidate(f"the last step ended after {self._pos} of the trace's {len(self.trace)} fetches")
+            self.drain()
+            return
+        self.drain(keep_retained=True)
+        self._fence_gathers(stream)
+
+    def _fence_gathers(self, stream: Streaming) -> None:
+        """The fence of a forward that followed the trace: the next repetition's first gathers, waited for
+        here; a row when none is issued."""
+        self._pos = self._ahead = 0
+        self._prefetch_ahead()
+        try:
+            for entry in list(self._prefetched.values()):
+                wait_gathered(entry.params)
+        except FetchOrderError:
+            self.drain()
+            raise
+        if not self._prefetched:
+            self._fence_row(stream, (len(self.trace), 0, stream.forwards, 1))
+
+    def _fence_row(self, stream: Streaming, stamp: Tuple[int, ...]) -> None:
+        self.stats.fence_rows += 1
+        self._agree(FetchSite(FetchKind.CHECKPOINT, self._last_module, "", self.namer), [], -1, stamp)
+
+    def _fence_lost(self) -> None:
+        """A FetchOrderError was raised on every rank in this streaming forward: its end runs no fence."""
+        if self._fence is not None:
+            self._fence.failed = True
+        self.streaming = None
+
+    def _streaming_failed(self) -> None:
+        """A streamed gather's stamps differed (raised on every rank): nothing more follows this trace."""
+        self.streaming, self._stamped, self.state = None, False, TraceState.INVALID
 
     # -- resident decoding (resident.py) -----------------------------------------------------------------
 
@@ -264,7 +347,7 @@ class PrefetchCoordinator:
         # the traces of all ranks must be the same for their prefetches to match: compare them (one
         # small all-gather per recording); if they differ, keep fetching on demand (each fetch checked)
         row = [FetchKind.TRACE.value, -1, len(trace), trace.numel, collectives.digest(trace.fingerprint()), 0]
-        rows = collectives.agree(row, self._group, self._device)
+        rows = agree_rows(row, self._group, self._device, counted=False)
         if any(r[0] != FetchKind.TRACE.value for r in rows):  # a rank is elsewhere (e.g. GatheredParameters)
             raise_disagreement(rows, FetchSite(FetchKind.TRACE, namer=self.namer))
         if any(r[:5] != rows[0][:5] for r in rows):
@@ -290,7 +373,13 @@ class PrefetchCoordinator:
                 return
             if self.state is TraceState.RECORD:
                 self._recording.append(make_event(kind, call.state.index, traced))
-        issue(params, call.state.site(kind), self.check, self._stamp())
+        try:
+            issue(params, call.state.site(kind), self.check, self._stamp())
+        except FetchOrderError as exc:
+            self._fence_lost()
+            if self._diverged:  # this rank's own view of where it left the trace
+                exc.args = (f"{exc}\nThis rank left the recorded fetch order: {self._left}",)
+            raise
         wait_gathered(params)
 
     def _resident_fetch(self, call, kind: FetchKind, params, traced) -> None:
@@ -326,7 +415,11 @@ class PrefetchCoordinator:
         missing = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
         if missing:
             self._make_room(sum(zp.numel for zp in missing if not zp.persist), traced)
-            issue(missing, call.state.site(kind), self.check, self._stamp())
+            if self._fence is not None:
+                issue(missing, call.state.site(kind), False, carried=self._fence.carrier(
+                    self._fence.stamp(index, i, i + 1, [zp.shape for zp in missing])))
+            else:
+                issue(missing, call.state.site(kind), self.check, self._stamp())
             if self.check:
                 self._unverified = 0
             self.stats.on_demand += 1
@@ -411,7 +504,11 @@ class PrefetchCoordinator:
         needed = [zp for _, need in batch for zp in need]
         if not needed:
             return
-        if needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
+        stream, carried = self._fence or self.streaming, None
+        if stream is not None:  # streaming decoding: the batch's gathers carry its stamp instead of a row
+            carried = stream.carrier(stream.stamp(events[batch[0][0]].module_index, batch[0][0], j,
+                                                  [zp.shape for zp in needed]))
+        elif needed and self.check:  # one agreement for the whole batch, stamped with where it starts and ends
             site = FetchSite(FetchKind.PREFETCH, events[batch[0][0]].module_index, "", self.namer)
             self._agree(site, [zp.shape for zp in needed], needed[0].ds_id, self._stamp() + (batch[0][0], j))
             self._unverified = 0
@@ -423,7 +520,8 @@ class PrefetchCoordinator:
                 hold = _PrefetchHold(k, ev, self.namer)
                 for zp in ev.params:
                     zp.hold(hold)
-                issued = issue(need, FetchSite(ev.kind, ev.module_index, "", self.namer), check=False)
+                issued = issue(need, FetchSite(ev.kind, ev.module_index, "", self.namer), check=False,
+                               carried=carried)
                 self._prefetched[k] = _Prefetched(hold, ev.params, issued)
                 self._pending += issued
         self.stats.batches += 1
@@ -472,6 +570,7 @@ class PrefetchCoordinator:
         try:
             check_agreement(site, shapes, first_ds_id, self._group, self._device, stamp)
         except FetchOrderError as exc:
+            self._fence_lost()
             if self._diverged:  # this rank's own view of where it left the trace
                 exc.args = (f"{exc}\nThis rank left the recorded fetch order: {self._left}",)
             self._stamped = False  # the step is lost: the raise unwinds it, the next one records again

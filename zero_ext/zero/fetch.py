@@ -28,6 +28,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from ..comm import native
 from . import collectives, internal, mics
 from .param import ZeroParam, zero_param_by_ds_id
 from .status import FetchKind, ZeroParamStatus
@@ -42,7 +43,8 @@ _KIND_TEXT = {FetchKind.FORWARD: "forward of", FetchKind.BACKWARD: "backward of"
               FetchKind.CHECKPOINT: "following the recorded trace, last fetch by", FetchKind.TRACE: "trace",
               FetchKind.INIT: "zero.Init, a torch call on the full value of partitioned parameters",
               FetchKind.REDUCE: "gradient reduction of", FetchKind.STEP: "engine.step() at the accumulation boundary",
-              FetchKind.RESIDENT: "comparing the decoding forwards run with the model resident"}
+              FetchKind.RESIDENT: "comparing the decoding forwards run with the model resident",
+              FetchKind.STREAM: "decoding along the recorded trace:"}
 
 
 # The fetches of the training passes, which ZeRO++ qwZ sends quantized; the others (GatheredParameters,
@@ -81,10 +83,13 @@ def fetch(params: Sequence[ZeroParam], holder, site: FetchSite, check: bool = Tr
     wait_gathered(params)
 
 
-def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stamp: Sequence[int] = ()) -> int:
+def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stamp: Sequence[int] = (),
+          carried=None) -> int:
     """Start gathering the partitioned ones among ``params`` (one asynchronous coalesced all-gather per
     process group, device and dtype, each after its fetch-order agreement when ``check``); they are
-    INFLIGHT until ``wait_gathered``. Holds nothing. Returns the number of elements issued."""
+    INFLIGHT until ``wait_gathered``. Holds nothing. Returns the number of elements issued.
+    ``carried``: a streaming.Carrier, whose stamp the gathers carry instead of an agreement row (see
+    [Note: streaming decoding] in streaming.py)."""
     need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
     issued = 0
     training = site.kind in QUANTIZABLE
@@ -94,7 +99,9 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                 _agree(bucket, site, group, stamp)
             with internal.labelled(f"zero_ext::all_gather ({site.label})"):
                 outputs = [zp.to_inflight() for zp in bucket]
-                if secondary:  # hpZ: within the node, from the copies kept at the forward's release
+                if carried is not None:  # streaming decoding: the check rides in the gather
+                    pending = carried.gather_async(bucket, outputs)
+                elif secondary:  # hpZ: within the node, from the copies kept at the forward's release
                     pending = bucket[0].secondary.gather_async(bucket, outputs)
                 else:
                     pending = _gather_async(bucket, outputs, group, quantized)
@@ -177,10 +184,11 @@ def agreements() -> int:
     return _AGREEMENTS[0]
 
 
-def agree_rows(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
-    """``collectives.agree``, counted in ``agreements()`` (for agreement rows built elsewhere: resident.py)."""
-    _AGREEMENTS[0] += 1
-    return collectives.agree(row, group, device)
+def agree_rows(row: Sequence[int], group, device: torch.device, counted: bool = True) -> List[List[int]]:
+    """``collectives.agree``, counted in ``agreements()`` unless not ``counted`` (for agreement rows built
+    elsewhere: resident.py, the coordinator's trace comparison)."""
+    _AGREEMENTS[0] += 1 if counted else 0
+    return _agree_rows(row, group, device)
 
 
 def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: int, group,
@@ -195,10 +203,30 @@ def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: 
     row = [site.kind.value, site.module_index, len(shapes), sum(torch.Size(s).numel() for s in shapes),
            collectives.digest(flat), first_ds_id]
     _AGREEMENTS[0] += 1
-    rows = collectives.agree(row, group, device)
+    rows = _agree_rows(row, group, device)
     if all(r[:_COMPARED] == rows[0][:_COMPARED] for r in rows):
         return
     raise_disagreement(rows, site)
+
+
+def _agree_rows(row: Sequence[int], group, device: torch.device) -> List[List[int]]:
+    """``collectives.agree``; a native "ranks in different collectives" failure (a rank in another
+    collective of ours: a streaming forward's gather) is a FetchOrderError (see [Note: streaming
+    decoding] in streaming.py)."""
+    try:
+        return collectives.agree(row, group, device)
+    except native.CommError as exc:
+        from .streaming import MISMATCH, transport_mismatch
+
+        if MISMATCH not in str(exc):
+            raise
+        raise transport_mismatch(exc, group, "checking the fetch order") from exc
+
+
+def describe_rows(rows: Sequence[Sequence[int]], namer) -> str:
+    """One line per rank: what its agreement row (or streaming stamp) says it was doing."""
+    site = FetchSite(FetchKind.STREAM, namer=namer)
+    return "\n".join(f"  rank {r}: {_describe(other, site)}" for r, other in enumerate(rows))
 
 
 def raise_disagreement(rows: Sequence[Sequence[int]], site: FetchSite) -> None:
@@ -229,6 +257,9 @@ def _describe(row: Sequence[int], site: FetchSite) -> str:
     kind = FetchKind(kind) if kind in _KINDS else None
     if kind is FetchKind.STEP:  # (the module column holds the step's number, see optim/step_check.py)
         return f"{what} of step {module_index}"
+    if kind is FetchKind.STREAM:  # (count: the forward; numel and first: the batch's trace fetches)
+        module = site.namer(module_index) if site.namer is not None else f"#{module_index}"
+        return f"{what} streaming forward {count}, the gather for fetches {numel}-{first - 1} (from module {module})"
     if kind is FetchKind.RESIDENT:  # (count: the forwards; first: where one left the trace, see resident.py)
         return f"{what}, after {count} forward(s){'' if first < 0 else ', one of which left the trace'}"
     if kind is FetchKind.GATHERED:  # (the module column holds modifier_rank, -1 for None)

@@ -30,11 +30,14 @@ branch a rank takes, so nothing a rank does in a forward can leave another waiti
   (``empty_partition_cache``, ``destroy``, an invalidated trace) end it without one: what they drop
   computed exactly, but is not compared.
 
-What stays uncovered: the ranks must run the same number of forwards (as every ZeRO-3 forward must);
-a call that releases parameters (``empty_partition_cache``) on some ranks only during decoding makes
-those ranks gather at their next forward while the others do not; a parameter registered as external
-to a module during decoding, from outside the model, is gathered on demand (with its agreement) and so
-leaves this scheme.
+What stays uncovered, on some ranks only (on every rank each is exact, tests/test_zero_decoding_edges.py):
+a call that releases parameters (``empty_partition_cache``) during decoding, or a parameter registered as
+external to a module from outside the model, makes those ranks gather at their next forward while the
+others gather nothing. The gather's agreement row meets the others' next check (a named error, when it
+comes before a collective of the caller's) or waits behind the caller's own collective (a hang, as in
+DeepSpeed). Ranks running different numbers of forwards are caught at the next check both reach (the
+forward counts differ), or before training goes on (tests/test_zero_streaming.py). A streaming model
+(streaming.py) covers all three: every forward ends with a fence every rank waits for.
 """
 from typing import List, Optional
 

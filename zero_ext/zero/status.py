@@ -55,6 +55,7 @@ class FetchKind(Enum):
     REDUCE = 11  # no gather: a bucket of gradients about to be reduced (optim/step_check.py)
     STEP = 12  # no gather: the optimizer step at an accumulation boundary (optim/step_check.py)
     RESIDENT = 13  # no gather: ranks compare what their resident decoding forwards did (resident.py)
+    STREAM = 14  # the stamp a streaming decoding forward's gather carries instead of a row (streaming.py)
 
 
 class TraceState(Enum):
