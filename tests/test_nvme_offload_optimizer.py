@@ -73,8 +73,9 @@ def _train(stage, dtype, model_name, offload, save_to=None):
     files = None
     if engine.optimizer.nvme is not None:
         swap_dir = engine.optimizer.nvme.swapper.dir.path
-        files = sorted((f, oct(os.stat(os.path.join(swap_dir, f)).st_mode & 0o777)) for f in os.listdir(swap_dir)
-                       if not f.startswith("."))
+        files = sorted((f, oct(os.stat(os.path.join(swap_dir, f)).st_mode & 0o777),
+                        os.path.getsize(os.path.join(swap_dir, f)))
+                       for f in os.listdir(swap_dir) if not f.startswith("."))
     if save_to is not None:
         engine.save_checkpoint(save_to, tag="t")
     engine.destroy()
@@ -128,13 +129,18 @@ def test_nvme_offload_equals_cpu_offload_bit_for_bit(tmp_path, case):
         state = mem["fp32_master"]["nvme"] + mem["optimizer_state"]["nvme"]
         # the step's new parameters wait in a staging buffer of the partition until every rank wrote its
         # state (optim/nvme_step.py): one element of the model's dtype per master element
-        staging = mem["fp32_master"]["nvme"] // 4 * (2 if dtype == "bf16" else 4)
+        elems = mem["fp32_master"]["nvme"] // 4 // 2  # masters on the drive: two copies (the spare slot)
+        staging = elems * (2 if dtype == "bf16" else 4)
         if stage in (1, 2) and not options.get("sliced"):  # one group: one swap buffer, not buffer_count copies
-            assert staging < mem["comm_buffers"]["host"] <= -(-state // 4096) * 4096 + staging, mem
+            assert staging < mem["comm_buffers"]["host"] <= -(-state // 2 // 4096) * 4096 + staging, mem
         if options.get("sliced"):  # buffer_count (4) buffers, at most one per sub-group, each of one
-            slices = -(-mem["fp32_master"]["nvme"] // 4 // 70)  # sub-group (70 x 3 fp32, in one page)
+            slices = -(-elems // 70)  # sub-group (70 x 3 fp32, in one page)
             assert slices > 1 and mem["comm_buffers"]["host"] == min(4, slices) * 4096 + staging, mem
-        assert nvme[5] and all(mode == "0o600" for _, mode in nvme[5]), nvme[5]
+        assert nvme[5] and all(mode == "0o600" for _, mode, _ in nvme[5]), nvme[5]
+        # what memory_breakdown says is on the drive is what the swap files hold (both slots of each
+        # sub-group: the spare file of the step transaction), up to each file's padding to a page
+        on_disk = sum(size for _, _, size in nvme[5])
+        assert state <= on_disk < state + 2 * 4096 * len(nvme[5]), (state, on_disk, nvme[5])
         assert not nvme[6], f"swap files left after destroy(): {nvme[6]}"
 
 

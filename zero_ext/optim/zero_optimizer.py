@@ -441,10 +441,12 @@ class ZeroOptimizer:
         return (g.hi - g.lo) * 4 * (1 + len(getattr(self.optimizer, "state_keys", ())))
 
     def nvme_bytes(self):
-        """(fp32 master bytes, optimizer state bytes) this rank keeps on NVMe."""
+        """(fp32 master bytes, optimizer state bytes) this rank keeps on NVMe: on the drive, so each
+        sub-group's spare file counts too (twice the state: [Note: NVMe step transaction])."""
         if self.nvme is None:
             return 0, 0
-        masters = sum((g.hi - g.lo) * 4 for g in self.flat_groups)
+        copies = 2 if self.nvme.spare_slot else 1
+        masters = sum((g.hi - g.lo) * 4 for g in self.flat_groups) * copies
         return masters, masters * len(self.optimizer.state_keys)
 
     def release(self) -> None:
