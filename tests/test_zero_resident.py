@@ -22,27 +22,10 @@ import torch
 from torch import nn
 
 from helpers.harness import run_ranks
-from helpers.zero3 import rank
+from helpers.zero3 import generate_greedy, rank, tiny_llama
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 TIMEOUT = 240
-
-
-def _llama():
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _generate(model, prompt, new):
-    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, synced_gpus=True,
-                         pad_token_id=0)
-    return out[0, prompt.shape[1]:].tolist()
 
 
 def _engine(model):
@@ -62,18 +45,18 @@ def _hf_resident_case():
     from zero_ext.zero.resident import check_due
 
     r = rank()
-    plain = _llama()
-    engine = _engine(_llama())
+    plain = tiny_llama()
+    engine = _engine(tiny_llama())
     model, zm = engine.module, engine.zero_model
     # the first generate records the trace and makes the model resident (different lengths per rank)
     p1, n1 = _prompt(3 + 4 * r, 7 + r), 4 + 3 * r
-    first = (_generate(model, p1, n1), _generate(plain, p1, n1))
+    first = (generate_greedy(model, p1, n1), generate_greedy(plain, p1, n1))
     # the second runs resident from its first forward: count what it runs
     p2, n2 = _prompt(5 + 2 * r, 11 + r), 20 + 6 * r
     before = (fetch.agreements(), zm.meter.gathers, zm.coordinator.stats.resident_forwards)
-    got = _generate(model, p2, n2)
+    got = generate_greedy(model, p2, n2)
     after = (fetch.agreements(), zm.meter.gathers, zm.coordinator.stats.resident_forwards)
-    expected = _generate(plain, p2, n2)
+    expected = generate_greedy(plain, p2, n2)
     forwards = after[2] - before[2]
     scheduled = sum(check_due(n) for n in range(before[2] + 1, after[2] + 1))
     engine.destroy()
@@ -92,7 +75,7 @@ def test_hf_generate_resident_gathers_nothing_and_checks_on_the_schedule_only():
 def _hf_branch_case():
     from zero_ext.zero import FetchOrderError
 
-    engine = _engine(_llama())
+    engine = _engine(tiny_llama())
     model = engine.module
     calls = []
 
@@ -103,7 +86,7 @@ def _hf_branch_case():
     model.model.norm.register_forward_pre_hook(extra_call_on_rank_1)
     start = time.monotonic()
     try:
-        _generate(model, _prompt(4 + rank(), 3 + rank()), 12)
+        generate_greedy(model, _prompt(4 + rank(), 3 + rank()), 12)
         message = None
     except FetchOrderError as exc:
         message = str(exc)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from helpers.harness import run_ranks
-from helpers.zero3 import rank
+from helpers.zero3 import generate_greedy, rank, tiny_llama
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 TIMEOUT = 120
@@ -218,45 +218,28 @@ def test_with_torch_distributed_carrying_the_gathers_every_batch_keeps_its_row()
 
 # -- HF generate ----------------------------------------------------------------------------------------
 
-def _llama():
-    import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _generate(model, prompt, new):
-    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, synced_gpus=True,
-                         pad_token_id=0)
-    return out[0, prompt.shape[1]:].tolist()
-
-
 def _hf_case():
     import zero_ext
     from zero_ext.zero import fetch
 
     r = rank()
-    plain = _llama()
+    plain = tiny_llama()
     size = sum(p.numel() for p in plain.parameters())
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                                  "stage3_max_live_parameters": size // 4}}
-    engine = zero_ext.initialize(model=_llama(), config=cfg)[0]
+    engine = zero_ext.initialize(model=tiny_llama(), config=cfg)[0]
     model, zm = engine.module, engine.zero_model
 
     def prompt(length, seed):
         return torch.randint(1, 96, (1, length), generator=torch.Generator().manual_seed(seed))
     p1, n1 = prompt(3 + 4 * r, 7 + r), 4 + 3 * r
-    first = _generate(model, p1, n1) == _generate(plain, p1, n1)
+    first = generate_greedy(model, p1, n1) == generate_greedy(plain, p1, n1)
     p2, n2 = prompt(5 + 2 * r, 11 + r), 12 + 6 * r
     before = (fetch.agreements(), zm.coordinator.stats.streamed_forwards)
-    got = _generate(model, p2, n2)
+    got = generate_greedy(model, p2, n2)
     after = (fetch.agreements(), zm.coordinator.stats.streamed_forwards)
-    same = got == _generate(plain, p2, n2)
+    same = got == generate_greedy(plain, p2, n2)
     engine.destroy()
     return first, same, after[0] - before[0], after[1] - before[1]
 

@@ -7,7 +7,8 @@ Files:
   exit_script.py (a zero_ext user's script, ending in one of several ways), exit_script_torch.py (its
   torch-only twin), exit_zygote.py (forks ranks with torch imported).
 - models.py: the small engine-test models (MLP, TinyGPT) and ``MODELS`` by name.
-- zero3.py: ZeRO-3 parameter-layer helpers (rank, full_values, grads, same_tensors) and models.
+- zero3.py: ZeRO-3 parameter-layer helpers (rank, full_values, grads, same_tensors), models, and a tiny HF
+  Llama with greedy `generate` for the generation tests.
 - planner_ref.py: a pure-Python reference of the C planner (csrc/planner.c).
 - engine.py: what engine tests read back from a trained engine (full parameters, fp32 masters).
 - cpu_optim.py: the ISA list and the two-thread fixture of the C CPU optimizer tests.

@@ -145,3 +145,22 @@ class Containers(nn.Module):
     def loss(self, x):
         out = self(x)
         return out.logits.pow(2).mean() + out.extra * 1e-3
+
+
+def tiny_llama():
+    """A 2-layer HF Llama (seeded, eval mode) small enough for generation tests on 2 CPU ranks."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def generate_greedy(model, prompt, new):
+    """Exactly ``new`` greedy tokens after ``prompt`` (synced_gpus: every rank runs every step)."""
+    out = model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, synced_gpus=True,
+                         pad_token_id=0)
+    return out[0, prompt.shape[1]:].tolist()
