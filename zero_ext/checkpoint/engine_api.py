@@ -1,5 +1,7 @@
 """The engine's checkpoint methods (DeepSpeed's names), mixed into ZeroEngine: they check the engine can
 save or load, bring NVMe-offloaded state into memory for the call, and hand over to engine_state.py."""
+import os
+
 from .engine_state import load_checkpoint, save_checkpoint, settle_publish
 
 
@@ -22,6 +24,12 @@ class CheckpointMethods:
         with self._state_in_memory(modified=True):
             return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                    load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: int) -> str:
+        """DeepSpeed's path of expert-parallel rank ``expp_rank``'s optimizer file (MoE checkpoints), for code
+        that builds or patches it. zero_ext has no expert parallelism and neither writes nor reads such a
+        file: its optimizer files are ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``."""
+        return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt")
 
     def wait_for_checkpoint(self) -> None:
         """Collective: returns once the last save_checkpoint's tag folder and `latest` are durable and in

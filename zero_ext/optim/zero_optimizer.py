@@ -22,12 +22,14 @@ from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
 from .flat_group import FlatGroup
+from .grad_views import GradientViews
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
 
 
-class ZeroOptimizer:
-    """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's."""
+class ZeroOptimizer(GradientViews):
+    """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's (DeepSpeed's
+    gradient attributes: grad_views.py)."""
 
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
