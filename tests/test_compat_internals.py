@@ -2,8 +2,9 @@
 
 - engine.tput_timer: DeepSpeed's throughput timer (batch size = train_batch_size, the first 2 optimizer
   steps untimed, one line per steps_per_print steps on rank 0; timers.throughput.enabled false: off);
-- engine.sparse_tensor_module_names (always empty: sparse_gradients is refused) and
-  engine._get_optimizer_ckpt_name (DeepSpeed's expert-parallel optimizer file name);
+- engine.sparse_tensor_module_names (always empty: sparse_gradients is refused),
+  engine._get_optimizer_ckpt_name (DeepSpeed's expert-parallel optimizer file name) and
+  engine._change_recovery_script_permissions (executable, or a logged line where chmod fails);
 - optimizer.averaged_gradients (every stage) and get_fp32_grad_partitions() (stage 3): this rank's
   averaged fp32 gradient pieces, views of what the step applies, checked against safe_get_full_grad.
 """
@@ -81,15 +82,35 @@ def test_throughput_timer_off_by_config():
     assert counts == (False, 0, 0, False) and rate == float("-inf") and not lines
 
 
-def _names():
+def _names(folder):
+    import os
+
     engine, *_ = _engine(2)
-    return (engine.sparse_tensor_module_names, engine._get_optimizer_ckpt_name("/ck", "t5", 3))
+    script = os.path.join(folder, "zero_to_fp32.py")
+    with open(script, "w") as f:
+        f.write("print()\n")
+    os.chmod(script, 0o644)
+    engine._change_recovery_script_permissions(script)
+    lines = _Lines()
+    logger = logging.getLogger("zero_ext")
+    logger.addHandler(lines)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        engine._change_recovery_script_permissions(os.path.join(folder, "missing", "zero_to_fp32.py"))
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(old_level)
+    return (engine.sparse_tensor_module_names, engine._get_optimizer_ckpt_name("/ck", "t5", 3),
+            oct(os.stat(script).st_mode & 0o777), lines.lines)
 
 
-def test_sparse_names_and_optimizer_file_name():
-    sparse, name = run_ranks(1, _names)[0]
+def test_sparse_names_file_names_and_recovery_script_permissions(tmp_path):
+    sparse, name, mode, logged = run_ranks(1, _names, str(tmp_path))[0]
     assert sparse == set()
     assert name == "/ck/t5/expp_rank_3_mp_rank_00_optim_states.pt"
+    assert mode == "0o744"  # the owner may execute it now
+    assert len(logged) == 1 and "missing" in logged[0]  # a missing script: logged, not raised
 
 
 def _gradient_views(stage):
