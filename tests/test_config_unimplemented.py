@@ -31,8 +31,6 @@ CASES = {
         {"zero_optimization": {"stage": 1, "load_from_fp32_weights": False}}, False),
     "zero_optimization.ignore_unused_parameters": (
         {"zero_optimization": {"stage": 2, "ignore_unused_parameters": False}}, False),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": (
-        {"zero_optimization": {**Z3, "save_muon_momentum_buffer_in_memory": True}}, True),
     "zero_optimization.grad_hooks": ({"zero_optimization": {"stage": 1, "grad_hooks": False}},
                                      False),
     "fp16.enabled": ({"fp16": {"enabled": True}}, True),

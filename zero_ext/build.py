@@ -310,7 +310,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
     if optimizer is None and cfg.optimizer is None:
         return None  # a forward-only engine (e.g. a reference model)
     if optimizer is None and cfg.optimizer.type == "muon":  # Muon's matrices and Adam's rest (optim/muon.py)
-        base = MuonWithAuxAdam(muon_param_groups(model, groups, cfg.optimizer.params))
+        base = MuonWithAuxAdam(muon_param_groups(model, groups, cfg.optimizer.params),
+                               momentum_in_memory=cfg.zero_optimization.save_muon_momentum_buffer_in_memory)
     elif optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
         base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),

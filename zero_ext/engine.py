@@ -34,6 +34,7 @@ from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
 from .zero import GatheredParameters
@@ -120,8 +121,12 @@ class ZeroEngine(CheckpointMethods, torch.nn.Module):
         self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
         self.wall_clock = WallClock(config.wall_clock_breakdown, config.steps_per_print, self.global_rank)
+        self.tput_timer = ThroughputTimer.for_engine(config)  # samples per second (DeepSpeed's timer, optim/throughput.py)
+        self.sparse_tensor_module_names = set()  # DeepSpeed's: sparse_gradients is refused here, so always empty
         for key in [module] + (optimizer.params() if optimizer is not None else []):
             _ENGINE_OF[key] = weakref.ref(self)
+        if optimizer is not None:  # DeepSpeed's averaged_gradients & co read through the same check (optim/grad_views.py)
+            optimizer.gradient_reader = self.gradients
 
     # -- the step lifecycle ([Note: the step lifecycle]) -------------------------------------------------
 
@@ -206,6 +211,7 @@ class ZeroEngine(CheckpointMethods, torch.nn.Module):
     def forward(self, *args, **kwargs):
         self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
+        self.tput_timer.start()
         with self.wall_clock.phase("fwd"):
             out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
@@ -322,9 +328,11 @@ class ZeroEngine(CheckpointMethods, torch.nn.Module):
         """One micro step; at the accumulation boundary also the optimizer step."""
         steps = self.global_steps
         try:
+            boundary = self.is_gradient_accumulation_boundary()
             with self.wall_clock.phase("step"):
                 self._step(lr_kwargs)
             self.wall_clock.end_micro_step(self.global_steps > steps, self.global_steps)
+            self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         finally:  # the backend threads let go of this step's tensors ([Note: the exit race], comm/outstanding.py)
             comm.settle()
 

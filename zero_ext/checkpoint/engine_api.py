@@ -1,5 +1,9 @@
 """The engine's checkpoint methods (DeepSpeed's names), mixed into ZeroEngine: they check the engine can
 save or load, bring NVMe-offloaded state into memory for the call, and hand over to engine_state.py."""
+import logging
+import os
+import stat
+
 from .engine_state import load_checkpoint, save_checkpoint, settle_publish
 
 
@@ -22,6 +26,22 @@ class CheckpointMethods:
         with self._state_in_memory(modified=True):
             return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                    load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: int) -> str:
+        """DeepSpeed's path of expert-parallel rank ``expp_rank``'s optimizer file (MoE checkpoints), for code
+        that builds or patches it. zero_ext has no expert parallelism and neither writes nor reads such a
+        file: its optimizer files are ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``."""
+        return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt")
+
+    def _change_recovery_script_permissions(self, dst: str) -> None:
+        """DeepSpeed's helper: makes the recovery script ``dst`` executable; where that is not possible (a
+        missing file, a file share without permissions) it logs at INFO on the ``zero_ext`` logger
+        (``deepspeed.utils.logger``) and goes on. zero_ext's own save writes ``zero_to_fp32.py`` with the
+        permissions of the checkpoint's other files and does not call it."""
+        try:
+            os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
+        except (FileNotFoundError, PermissionError) as exc:
+            logging.getLogger("zero_ext").info(f"could not make {dst} executable ({exc}); continuing without")
 
     def wait_for_checkpoint(self) -> None:
         """Collective: returns once the last save_checkpoint's tag folder and `latest` are durable and in

@@ -143,7 +143,7 @@ IGNORED_SECTIONS = {
     "comet": "Comet monitor",
     "flops_profiler": "FLOPs profiler",
     "comms_logger": "communication logger",
-    "timers": "throughput timers",
+    "timers": "throughput timers; engine.tput_timer reads throughput.enabled and synchronized",
     "autotuning": "autotuner",
     "model_info": "autotuner model description",
     "nebula": "Nebula checkpoint service",

@@ -35,7 +35,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.round_robin_gradients": "round-robin gradient partitioning",
     "zero_optimization.load_from_fp32_weights": "master weights from 16-bit checkpoint weights",
     "zero_optimization.ignore_unused_parameters": "the unused-parameter check",
-    "zero_optimization.save_muon_momentum_buffer_in_memory": "Muon momentum placement",
     "zero_optimization.grad_hooks": "reducing gradients only after backward",
     # -- precision ---------------------------------------------------------------------------
     "fp16.enabled": "fp16 mixed precision with loss scaling",

@@ -162,7 +162,9 @@ class ZeroConfig(ConfigModel):
         "modified the parameters in place, and raises RuntimeError on every rank if one did (one small "
         "all-gather at the block's exit).")
     save_muon_momentum_buffer_in_memory: bool = option(
-        False, "Muon with NVMe offload: keep the momentum buffer in memory.")
+        False, "Muon with offload_optimizer.device nvme (any stage): keep the Muon groups' momentum "
+        "buffers in host memory instead of their swap files (the masters and Adam's moments are still "
+        "swapped). No effect otherwise.")
     grad_hooks: bool = option(
         True, "Stage 1: reduce gradients from backward hooks as they are produced (false: "
         "after the backward pass).",

@@ -21,6 +21,11 @@ all-gathers its partition of U, orthogonalizes the matrices its partition touche
 O where the gradient was: the optimizer step (MuonWithAuxAdam.step, elementwise) then applies it. The
 global gradient norm (and clipping) is taken over these updates, as DeepSpeed does. Newton-Schulz runs
 in fp32 (DeepSpeed: bf16 or fp16 where the accelerator supports them).
+
+With ``offload_optimizer.device = "nvme"`` the masters, momentum buffers and Adam moments live in swap
+files and both halves stream them group by group (optim/muon_nvme.py); ``momentum_in_memory``
+(``zero_optimization.save_muon_momentum_buffer_in_memory``) keeps the momentum buffers in host memory
+instead, so the orthogonalization reads no swap file.
 """
 from typing import Dict, List
 
@@ -117,11 +122,35 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     DeepSpeed's Adam. State: Muon masters "momentum_buffer"; Adam masters "exp_avg", "exp_avg_sq",
     "step"."""
 
-    def __init__(self, param_groups: List[dict]):
+    def __init__(self, param_groups: List[dict], momentum_in_memory: bool = False):
         for group in param_groups:
             if group["use_muon"] and group.get("ns_method", "gram") not in NS_METHODS:
                 raise ValueError(f"Muon: ns_method must be one of {NS_METHODS}, got {group['ns_method']!r}")
         super().__init__(param_groups, {})
+        self.momentum_in_memory = momentum_in_memory  # NVMe offload: the momentum buffers stay out of the swap files
+
+    def group_of(self, master: torch.Tensor) -> dict:
+        return next(pg for pg in self.param_groups if any(m is master for m in pg["params"]))
+
+    def nvme_state_keys(self, master: torch.Tensor) -> tuple:
+        """The state tensors of ``master``'s group that NVMe offload swaps with it (ZeroOptimizer.attach_nvme)."""
+        if self.group_of(master)["use_muon"]:
+            return () if self.momentum_in_memory else ("momentum_buffer",)
+        return ("exp_avg", "exp_avg_sq")
+
+    def _init_state(self, master: torch.Tensor, state: dict) -> None:
+        """A master's state as its first step makes it (zeros), before NVMe offload registers it."""
+        if self.group_of(master)["use_muon"]:
+            state["momentum_buffer"] = torch.zeros_like(master, dtype=torch.float32)
+        else:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(master, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(master, dtype=torch.float32)
+
+    def zero_nvme_step(self, zopt, combined: float) -> None:
+        """ZeroOptimizer.step under NVMe offload: both halves' elementwise step, streamed (optim/muon_nvme.py)."""
+        from . import muon_nvme  # (it builds on this module's functions)
+        muon_nvme.step(self, zopt, combined)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -146,21 +175,18 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _adam(self, p, group) -> torch.Tensor:
         state = self.state[p]
         if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            self._init_state(p, state)
         state["step"] += 1
-        b1, b2 = group["betas"]
-        m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
-        m.lerp_(g, 1.0 - b1)
-        v.lerp_(g.square(), 1.0 - b2)
-        t = state["step"]
-        return (m / (1.0 - b1 ** t)) / ((v / (1.0 - b2 ** t)).sqrt() + group["eps"])
+        return adam_update(p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], group)
 
     @torch.no_grad()
     def zero_prepare_step(self, zopt) -> None:
         """ZeroOptimizer.step's hook, after the gradients are averaged: every Muon group's gradient
         partition becomes its part of the orthogonalized update. Collective (one all-gather per group)."""
+        if zopt.nvme is not None:
+            from . import muon_nvme
+            muon_nvme.prepare(self, zopt)
+            return
         for g in zopt.flat_groups:
             group = next(pg for pg in self.param_groups if any(m is g.master for m in pg["params"]))
             if not group["use_muon"]:
@@ -172,10 +198,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             momentum = state["momentum_buffer"]
             momentum.lerp_(g.grad, 1.0 - beta)
             u = g.grad.lerp(momentum, beta)
-            _orthogonalize_group(g, u, group.get("ns_method", "gram"), zopt.world, zopt.pg)
+            orthogonalize_group(g, u, group.get("ns_method", "gram"), zopt.world, zopt.pg)
 
 
-def _orthogonalize_group(g, u: torch.Tensor, method: str, world: int, pg) -> None:
+def adam_update(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, group: dict) -> torch.Tensor:
+    """DeepSpeed's Adam direction at step ``t``, moving the moments ``m``, ``v`` in place (elementwise: a
+    slice of a partition gets the bits the whole partition would)."""
+    b1, b2 = group["betas"]
+    m.lerp_(g, 1.0 - b1)
+    v.lerp_(g.square(), 1.0 - b2)
+    return (m / (1.0 - b1 ** t)) / ((v / (1.0 - b2 ** t)).sqrt() + group["eps"])
+
+
+def orthogonalize_group(g, u: torch.Tensor, method: str, world: int, pg) -> None:
     """Writes into g.grad this rank's part of the orthogonalized update of every matrix it touches.
     ``u``: this rank's partition of the Nesterov momentum."""
     sharded = hasattr(g, "zparams")  # stage 3: each parameter cut into equal shards, one per rank
@@ -205,5 +240,6 @@ def _orthogonalize_group(g, u: torch.Tensor, method: str, world: int, pg) -> Non
             o[piece.param_offset:piece.param_offset + piece.length])
 
 
-__all__ = ["MuonWithAuxAdam", "muon_param_groups", "newton_schulz", "orthogonalized", "uses_muon",
+__all__ = ["MuonWithAuxAdam", "adam_update", "orthogonalize_group", "muon_param_groups", "newton_schulz",
+           "orthogonalized", "uses_muon",
            "MUON_DEFAULTS", "ADAM_DEFAULTS"]

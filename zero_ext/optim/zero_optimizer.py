@@ -22,13 +22,15 @@ from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
 from .flat_group import FlatGroup
+from .grad_views import GradientViews
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
 from .nvme_step import nvme_step
 
 
-class ZeroOptimizer:
-    """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's."""
+class ZeroOptimizer(GradientViews):
+    """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's (DeepSpeed's
+    gradient attributes: grad_views.py)."""
 
     def __init__(self, base: torch.optim.Optimizer, groups: List[Optional[FlatGroup]], reducer, stage: int,
                  gradient_clipping: float, allgather_bucket_size: int, rank: int, world: int,
@@ -216,6 +218,8 @@ class ZeroOptimizer:
                 combined *= coef
         if self._fused():
             self._fused_step(combined)
+        elif self.nvme is not None:  # a torch optimizer that streams its own NVMe state (Muon: optim/muon_nvme.py)
+            self.optimizer.zero_nvme_step(self, combined)
         else:
             if combined != 1.0:
                 for g in self.flat_groups:
@@ -314,10 +318,10 @@ class ZeroOptimizer:
         The state is created now (zeros, step 0: what the first step would create); with ``fast_init``
         the masters are written from the 16-bit partitions chunk by chunk, never whole in memory.
         Stages 1/2: a partition larger than ``sub_group_size`` goes as sub-groups (see _attach_slices)."""
-        if not is_cpu_optimizer(self.optimizer):
+        if not is_cpu_optimizer(self.optimizer) and not hasattr(self.optimizer, "zero_nvme_step"):
             raise ConfigError("zero_optimization.offload_optimizer.device = 'nvme' needs zero_ext's C optimizer: "
-                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion (torch_adam too), or "
-                              "pass CPUAdam")
+                              "give an 'optimizer' section of type Adam/AdamW/Adagrad/Lion/Muon (torch_adam too), "
+                              "or pass CPUAdam")
         self.nvme, self._pipeline = store, (bool(pipeline_read), bool(pipeline_write))
         base = self.optimizer
         for k, g in enumerate(self.flat_groups):
@@ -325,22 +329,24 @@ class ZeroOptimizer:
             if len(slices) > 1:
                 self._attach_slices(k, g, slices, fast_init)
                 continue
+            keys = self._state_keys(g)
             if fast_init:
                 old = g.master
-                made = store.register_from_lp(k, [g.flat[g.lo:g.hi]], [g.hi - g.lo] * len(base.state_keys))
+                made = store.register_from_lp(k, [g.flat[g.lo:g.hi]], [g.hi - g.lo] * len(keys))
                 g.master = made[0]
                 for pg in base.param_groups:
                     pg["params"] = [g.master if m is old else m for m in pg["params"]]
                 state = base.state[g.master]
-                state["step"] = 0
-                for key, t in zip(base.state_keys, made[1:]):
+                if is_cpu_optimizer(base):  # (a torch optimizer counts its own steps)
+                    state["step"] = 0
+                for key, t in zip(keys, made[1:]):
                     state[key] = t
                 with store.resident(k, modified=False):  # (.grad must match the shape while assigned)
                     g.master.grad = g.grad
             else:  # the master keeps its .grad through the swaps
                 state = base.state[g.master]
                 base._init_state(g.master, state)
-                store.register(k, [g.master] + [state[key] for key in base.state_keys])
+                store.register(k, [g.master] + [state[key] for key in keys])
             g.materialize = (lambda k=k: self.materialized([k]))  # stage 3's GatheredParameters writes masters
 
     def _attach_slices(self, k: int, g, slices: List[tuple], fast_init: bool) -> None:
@@ -349,18 +355,18 @@ class ZeroOptimizer:
         values live in store groups (k, j), one per slice j of the partition, each with tensors of its
         own: the step streams them (_step_slice), materialized() assembles whole tensors from them and
         splits them back. Host memory then holds buffer_count slices, not the partition."""
-        base = self.optimizer
+        base, keys = self.optimizer, self._state_keys(g)
         for j, (a, b) in enumerate(slices):
             if fast_init:
-                store_tensors = self.nvme.register_from_lp((k, j), [g.flat[g.lo + a:g.lo + b]],
-                                                           [b - a] * len(base.state_keys))
+                store_tensors = self.nvme.register_from_lp((k, j), [g.flat[g.lo + a:g.lo + b]], [b - a] * len(keys))
             else:
-                store_tensors = [g.master[a:b].clone()] + [torch.zeros(b - a) for _ in base.state_keys]
+                store_tensors = [g.master[a:b].clone()] + [torch.zeros(b - a) for _ in keys]
                 self.nvme.register((k, j), store_tensors)
         state = base.state[g.master]
         state.clear()
-        state["step"] = 0
-        for key in base.state_keys:
+        if is_cpu_optimizer(base):  # (a torch optimizer counts its own steps)
+            state["step"] = 0
+        for key in keys:
             state[key] = torch.empty(0)
         g.master.grad = g.grad  # (kept through the master's empty spells, as with the whole-group swaps)
         g.master.data = torch.empty(0)
@@ -409,7 +415,7 @@ class ZeroOptimizer:
         parts = [self.nvme.tensors((k, j)) for j in range(len(self._slices[k]))]
         g.master.data = torch.cat([p[0] for p in parts])
         state = base.state[g.master]
-        for i, key in enumerate(base.state_keys):
+        for i, key in enumerate(self._state_keys(g)):
             state[key] = torch.cat([p[1 + i] for p in parts])
 
     def _split(self, k: int, modified: bool) -> None:
@@ -421,24 +427,31 @@ class ZeroOptimizer:
             if modified:
                 master, *states = self.nvme.tensors((k, j))
                 master.copy_(g.master.data[a:b])
-                for key, t in zip(base.state_keys, states):
+                for key, t in zip(self._state_keys(g), states):
                     t.copy_(state[key].reshape(-1)[a:b])
         g.master.data = torch.empty(0)
-        for key in base.state_keys:
+        for key in self._state_keys(g):
             state[key] = torch.empty(0)
 
     def _relink_state(self, k: int) -> None:
         """load_state_dict replaces state tensors: their values go into the registered (swapped) ones,
         which take their places in the state dict again."""
-        state = self.optimizer.state[self.flat_groups[k].master]
-        for key, t in zip(self.optimizer.state_keys, self.nvme.tensors(k)[1:]):
+        g = self.flat_groups[k]
+        state = self.optimizer.state[g.master]
+        for key, t in zip(self._state_keys(g), self.nvme.tensors(k)[1:]):
             if state[key] is not t:
                 t.data = state[key].data
                 state[key] = t
 
+    def _state_keys(self, g) -> tuple:
+        """The optimizer state a group's swap file holds after its master: the C optimizer's keys (the same
+        for every group), or those the base names for this group (Muon: optim/muon.py, nvme_state_keys)."""
+        of = getattr(self.optimizer, "nvme_state_keys", None)
+        return tuple(of(g.master)) if of is not None else tuple(getattr(self.optimizer, "state_keys", ()))
+
     def nvme_file_bytes(self, g) -> int:
         """The bytes a group's swap file needs: its fp32 master and each optimizer state tensor."""
-        return (g.hi - g.lo) * 4 * (1 + len(getattr(self.optimizer, "state_keys", ())))
+        return (g.hi - g.lo) * 4 * (1 + len(self._state_keys(g)))
 
     def nvme_bytes(self):
         """(fp32 master bytes, optimizer state bytes) this rank keeps on NVMe: on the drive, so each
@@ -447,7 +460,7 @@ class ZeroOptimizer:
             return 0, 0
         copies = 2 if self.nvme.spare_slot else 1
         masters = sum((g.hi - g.lo) * 4 for g in self.flat_groups) * copies
-        return masters, masters * len(self.optimizer.state_keys)
+        return masters, sum((g.hi - g.lo) * 4 * len(self._state_keys(g)) for g in self.flat_groups) * copies
 
     def release(self) -> None:
         """engine.destroy(): drops the optimizer state, gradient partitions and communication buffers. The

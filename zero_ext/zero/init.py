@@ -28,6 +28,13 @@ learn when a constructor returns. zero_ext watches construction through document
   partitioned).
 - Parameters registered outside any constructor (``model.extra = Parameter(...)`` in the ``with``
   block) are partitioned when the outermost Init exits.
+- DeepSpeed's ds_* attributes answer as soon as a module's constructor has returned (DeepSpeed
+  partitions at the end of ``__init__``; ``m = nn.Linear(...)`` then ``m.weight.ds_tensor``, or a parent
+  constructor reading a child's ``ds_id``, must see the partition). A pending parameter therefore
+  takes a subclass of its own class (``pending_class``) whose ``__getattr__`` -- reached only for an
+  attribute the parameter lacks, so nothing else pays -- partitions the ready pending parameters on a
+  ``ds_*`` name and then answers it; while its own constructor still runs the name stays missing,
+  as in DeepSpeed. The class goes back before the parameter is partitioned (or left whole).
 
 A constructor's own edits, and a subclass ``__init__`` editing what its base class registered, happen
 before partitioning, since the anchor's ``__init__`` is still running. Everything that touches a
@@ -113,6 +120,40 @@ class _Pending(NamedTuple):
 
 
 _NOT_REACHED = Materialiser.NOT_REACHED
+_PLAIN = torch._C._disabled_torch_function_impl  # Parameter's __torch_function__
+_PENDING_CLASSES = {}
+
+
+def _pending_getattr(self, name: str):
+    """A ds_* attribute of a pending parameter: partition what is ready (this parameter, once its
+    constructor has returned), then answer from its facade."""
+    session = _ACTIVE
+    if name.startswith("ds_") and session is not None and not internal.active():
+        session.flush(final=False)
+        if is_zero_param(self):
+            return object.__getattribute__(self, name)
+    raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+
+def pending_class(cls: type) -> type:
+    """The class a parameter of class ``cls`` takes while zero.Init has it pending (``cls`` itself when
+    it defines its own ``__torch_function__``: a tensor subclass keeps its class)."""
+    pending = _PENDING_CLASSES.get(cls)
+    if pending is None:
+        if cls.__torch_function__ is not _PLAIN or cls in _PENDING_CLASSES.values():
+            return cls
+        pending = type(cls.__name__, (cls,), {"__getattr__": _pending_getattr, "_zero_pending_of": cls,
+                                              "__module__": cls.__module__,
+                                              "__doc__": cls.__doc__})
+        _PENDING_CLASSES[cls] = pending
+    return pending
+
+
+def _restore_class(param: torch.nn.Parameter) -> None:
+    """Back to the parameter's own class (before it is partitioned, or when it is left whole)."""
+    own = type(param).__dict__.get("_zero_pending_of")
+    if own is not None:
+        param.__class__ = own
 
 
 class _ConstructionMode(TorchFunctionMode):
@@ -191,6 +232,8 @@ class _InitSession:
                 param = entry.param()
                 if param is not None and "__deepcopy__" in vars(param):
                     del param.__deepcopy__
+                if param is not None:
+                    _restore_class(param)
             self.pending = []
 
     def _on_parameter(self, module, name, param):
@@ -200,6 +243,7 @@ class _InitSession:
         ref = weakref.ref(param)
         self.pending.append(_Pending(ref, modules[0] if modules else None, weakref.ref(module), name))
         param.__deepcopy__ = functools.partial(self._deepcopy_pending, ref)  # replaced by ZeroParam's
+        param.__class__ = pending_class(type(param))  # ds_* reads partition it (see the Note above)
         return None
 
     def _deepcopy_pending(self, ref, memo):
@@ -249,6 +293,10 @@ class _InitSession:
                 keep.append(entry)  # (still there at Init's exit: left as it is, like a with block that raised)
                 continue
             if final or (entry.anchor is not None and id(entry.anchor) not in alive):
+                _restore_class(param)
+                old = entry.param()
+                if old is not None and old is not param:  # (replaced in its module: see _Pending.current)
+                    _restore_class(old)
                 module = entry.module()
                 ready.append((param, f"{type(module).__name__}.{entry.name}" if module is not None else entry.name))
             else:

@@ -68,8 +68,9 @@ def peek_ds_id() -> int:
 
 
 def is_zero_param(obj: Any) -> bool:
-    """True for a tensor partitioned by ZeRO-3 (DeepSpeed's test: a tensor with a ``ds_id``)."""
-    return isinstance(obj, torch.Tensor) and hasattr(obj, "ds_id")
+    """True for a tensor partitioned by ZeRO-3 (DeepSpeed's test: a tensor with a ``ds_id``). Read from the
+    instance: asking about a parameter zero.Init has pending must not partition it (init.py, pending_class)."""
+    return isinstance(obj, torch.Tensor) and "ds_id" in getattr(obj, "__dict__", ())
 
 
 def zero_param_of(param: torch.Tensor) -> Optional["ZeroParam"]:
