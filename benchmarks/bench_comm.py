@@ -10,7 +10,8 @@ until about 16 MiB went through (one call from 16 MiB up), so small sizes are no
 with which the ranks leave the barrier before it. The floor is both ranks copying `size`
 bytes at once (the least any of the three must move per rank: an all-gather writes its output, a
 reduce-scatter reads every rank's part, an all-reduce both). Ratios: gloo / native (how many times
-faster native is) and floor / native (the fraction of the memory-bound speed native reaches).
+faster native is) and floor / native (the fraction of the memory-bound speed native reaches), beside
+the most of it a transport that copies through shared memory can reach for that verb (docs/comm.md).
 Targets (issue 18): from 4 MiB up, >= 3x gloo and >= 0.6x the floor.
 
 Then one line for the state routines (safe_get_full_*): a full read of a `--state-mib` (64 MiB) fp32
@@ -80,6 +81,15 @@ def _state_read(rank, world, mib, repeat, native):
             "old_gloo": _time(lambda: old(dist.all_reduce), repeat)}
 
 
+def _bound(verb: str, n: int) -> float:
+    """The floor's 2C of memory traffic over what the verb moves per rank through shared memory at n ranks
+    (C the full tensor; docs/comm.md, "What bounds each verb"): the most of the floor it can reach."""
+    if n == 1:
+        return 1.0
+    per_rank = {"all_gather": 2 * n + 2, "reduce_scatter": 3 * n - 1, "all_reduce": 5 * n - 2}[verb] / n
+    return 2 / per_rank
+
+
 def _worker(rank, world, sizes, dtypes, repeat, state_mib, wanted, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -137,16 +147,16 @@ def main():
                         args.verbs.split(",")), args.world,
                        timeout=3600, label="bench_comm")[0]
     print(f"{args.world} ranks; times in ms (best of {args.repeat}); x gloo = gloo / native; "
-          f"x floor = floor / native")
+          f"x floor = floor / native; bound = the most x floor a two-copy transport allows (docs/comm.md)")
     print(f"{'dtype':5} {'size':>9} {'floor':>8} | {'verb':>14} {'native':>8} {'gloo':>8} {'x gloo':>6} "
-          f"{'x floor':>7}")
+          f"{'x floor':>7} {'bound':>5}")
     state = rows.pop()
     for r in rows:
         for verb in (v for v in ("all_gather", "reduce_scatter", "all_reduce") if v in r):
             nat, gloo = r[verb]
             size = f"{r['size'] / MiB:g} MiB"
             print(f"{r['dtype']:5} {size:>9} {r['floor'] * 1e3:8.2f} | {verb:>14} {nat * 1e3:8.2f} "
-                  f"{gloo * 1e3:8.2f} {gloo / nat:6.2f} {r['floor'] / nat:7.2f}")
+                  f"{gloo * 1e3:8.2f} {gloo / nat:6.2f} {r['floor'] / nat:7.2f} {_bound(verb, args.world):5.2f}")
 
 
     print(f"\nfull read of a {state['state_mib']:g} MiB fp32 parameter (safe_get_full_*): native all-gather-v of "
