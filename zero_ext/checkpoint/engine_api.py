@@ -36,8 +36,8 @@ class CheckpointMethods:
     def _change_recovery_script_permissions(self, dst: str) -> None:
         """DeepSpeed's helper: makes the recovery script ``dst`` executable; where that is not possible (a
         missing file, a file share without permissions) it logs at INFO on the ``zero_ext`` logger
-        (``deepspeed.utils.logger``) and goes on. zero_ext's own save writes ``zero_to_fp32.py`` with the
-        permissions of the checkpoint's other files and does not call it."""
+        (``deepspeed.utils.logger``) and goes on. zero_ext's own save writes ``zero_to_fp32.py`` executable
+        already (its read bits, from the umask, plus the matching execute bits) and does not call it."""
         try:
             os.chmod(dst, os.stat(dst).st_mode | stat.S_IEXEC)
         except (FileNotFoundError, PermissionError) as exc:

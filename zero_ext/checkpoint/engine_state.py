@@ -235,8 +235,9 @@ def _publish(save_dir: str, tag: str, tag_dir: str, final_dir: str, names: List[
     mode = os.stat(os.path.join(tag_dir, MANIFEST)).st_mode & 0o777  # the umask of the save, not of now
     publish_dir(tag_dir, final_dir, replaced_dir(save_dir, tag))
     with open(os.path.join(os.path.dirname(__file__), "zero_to_fp32.py"), "rb") as f:
+        # a script, executable where the checkpoint is readable (as DeepSpeed's): 0644 -> 0755, 0600 -> 0700
         atomic_write_bytes(os.path.join(save_dir, "zero_to_fp32.py"), f.read(), sync_dir=not save_latest,
-                           if_changed=True, mode=mode)
+                           if_changed=True, mode=mode | (mode & 0o444) >> 2)
     if save_latest:
         atomic_write_bytes(os.path.join(save_dir, "latest"), tag.encode(), mode=mode)
 
