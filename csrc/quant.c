@@ -260,10 +260,11 @@ ZX_TARGET_AVX512 static void dequant_avx512(const struct quant_job *j, int64_t b
 /* ---------------------------------------------------------------------------------------------------
  * Runs of blocks: each ISA's loop over blocks [k0, k1) of a job, compiled for that ISA, so that the
  * per-block steps (amax, integers, the vector tails' guards) are calls between code of one ISA or
- * inlined. [Note: one call per run] (measured on a Sapphire Rapids VM, 7.2M fp32 elements, one
- * thread): calling a baseline-ISA function (the scalar tail, even for no elements, or the block driver)
- * from vector code once per block cost about 250 ns a block, 2.7x int4's quantization time; with the
- * runs and the tails called only when there is one, int4 quantizes in 2.1 ms instead of 6.2. */
+ * inlined. [Note: one call per run] (measured on a Sapphire Rapids VM, 7.2M fp32 elements in blocks of
+ * 512, one thread): the vector paths called their scalar tail (baseline-ISA code) after every block,
+ * even with no element left, and that call cost about 250 ns a block: int4 quantized in 6.2 ms, 2.2 ms
+ * once the tails are called only when there is one. The runs then take the per-block indirect calls
+ * off the driver (no measurable change here; they keep the vector code together). */
 
 /* A block's scale from its amax; 0 when the block is NaN / inf (q = 0, s = NaN: it dequantizes to
  * NaN), else the factor the integers are computed with (0 for a block of zeros). */
