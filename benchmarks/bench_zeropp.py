@@ -2,6 +2,7 @@
 plain ZeRO-3, qwZ, qgZ, hpZ, all three and MiCS (flat and two-level), in the same run.
 
     python benchmarks/bench_zeropp.py [--steps 6] [--warmup 2] [--rounds 3] [--verbose] [--layers 4] [--d 384]
+    python benchmarks/bench_zeropp.py --profile 0 [--configs zero3,qwZ+qgZ+hpZ]   # where one rank's CPU goes
 
 The model is demo/model.py's GPT (byte vocabulary), fp32, AdamW, each configuration in a fresh set of
 spawned processes. Bytes are counted by the collective facade (zero_ext.comm.traffic: what each rank
@@ -15,9 +16,17 @@ Step time is the median over the timed steps of the slower rank (from a barrier)
 all four processes per step (their threads included: on a shared machine it moves less with the load
 than wall time does). With --rounds R every configuration runs R times, the configurations taking turns;
 the table gives medians over rounds, and the ratios are medians of each round's ratio.
+With --profile R, rank R also runs cProfile over the timed steps with a CPU-time clock (its main thread:
+waiting is not counted, page faults are) and the table is followed by, per configuration, that rank's CPU
+per phase (forward / backward / step, process time), its page faults per step and the functions taking
+the most of its CPU (to compare a ZeRO++ option with ZeRO-3 measured in the same run).
 """
 import argparse
+import cProfile
+import io
 import os
+import pstats
+import resource
 import statistics
 import sys
 import time
@@ -71,16 +80,27 @@ def worker(rank, name, args, port, queue):
                                     "stage3_max_reuse_distance": 0, **CONFIGS[name]}}
     engine, _, _, _ = zero_ext.initialize(model=model, model_parameters=model.parameters(), config=config)
     gen = torch.Generator().manual_seed(rank)
-    times, cpu = [], []
+    times, cpu, phases, faults = [], [], [], []
+    profile = cProfile.Profile(time.thread_time) if rank == args.profile else None
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             traffic.start(node_size=NODE)
         x = torch.randint(0, 256, (args.batch, args.block), generator=gen)
         dist.barrier()
+        timed = profile is not None and step >= args.warmup
+        if timed:
+            profile.enable()
         start, start_cpu = time.perf_counter(), time.process_time()
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         loss = lm_loss(engine(x[:, :-1]), x[:, 1:])
+        forward = time.process_time()
         engine.backward(loss)
+        backward = time.process_time()
         engine.step()
+        if timed:
+            profile.disable()
+            phases.append((forward - start_cpu, backward - forward, time.process_time() - backward))
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
         elapsed = torch.tensor([time.perf_counter() - start])
         used = torch.tensor([time.process_time() - start_cpu])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # (torch.distributed itself: not counted)
@@ -92,9 +112,16 @@ def worker(rank, name, args, port, queue):
     traffic.stop()
     rows = [None] * WORLD
     dist.all_gather_object(rows, counted)
+    report = [None]
+    if profile is not None:
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.top)
+        report[0] = {"phases": [statistics.median(p[k] for p in phases) for k in range(3)],
+                     "faults": statistics.median(faults), "stats": text.getvalue()}
+    dist.broadcast_object_list(report, src=max(args.profile, 0))
     if rank == 0:
         queue.put({"name": name, "params": count_params(model), "time": statistics.median(times),
-                   "cpu": statistics.median(cpu), "rows": rows})
+                   "cpu": statistics.median(cpu), "rows": rows, "profile": report[0]})
     engine.destroy()
     dist.destroy_process_group()
 
@@ -110,6 +137,9 @@ def main():
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--verbose", action="store_true", help="print every round's step and CPU times")
+    ap.add_argument("--profile", type=int, default=-1, metavar="RANK",
+                    help="profile this rank's timed steps (cProfile, CPU-time clock); -1: none")
+    ap.add_argument("--top", type=int, default=25, help="functions listed per configuration with --profile")
     args = ap.parse_args()
     names = args.configs.split(",")
     loads = [os.getloadavg()[0]]
@@ -148,6 +178,14 @@ def main():
         print(f"{name:13} {cross(r) / 1e6:18.2f} {cross(base) / max(cross(r), 1):8.2f}x "
               f"{median(name, 'time'):8.3f} {median(name, 'time', True):8.2f}x {median(name, 'cpu'):7.3f} "
               f"{median(name, 'cpu', True):8.2f}x  {by}")
+    if args.profile >= 0:
+        for name in names:
+            prof = rounds[-1][name]["profile"]
+            fwd, bwd, opt = (1e3 * x for x in prof["phases"])
+            print(f"\n## {name}, rank {args.profile}, last round: process CPU forward {fwd:.1f} / backward {bwd:.1f} / "
+                  f"step {opt:.1f} ms, {prof['faults']:.0f} page faults per step; main thread's functions by own CPU "
+                  f"over {args.steps} steps:")
+            print("\n".join(line for line in prof["stats"].splitlines() if line.strip()))
 
 
 if __name__ == "__main__":

@@ -75,4 +75,13 @@ int zx_quantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t
 int zx_dequantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t group, int64_t block,
 			int accumulate, int isa);
 
+/* Sums quantized again (ZeRO++ qgZ's second level): the fp32 sum of each group of `group` items, in item
+ * order from 0 (read as zx_dequantize_batch with accumulate reads them; their dst is not used), goes into
+ * outs[g] (nitems / group of them; the group's n): quantized in outs[g].format, or, raw, stored as fp32
+ * (outs' dtype is ZX_F32, their src is not used). The bits are those of dequantizing the group into a
+ * zeroed fp32 buffer and quantizing it with zx_quantize_batch, without the buffer: a tile's sum stays in
+ * cache between the two. 0, -EINVAL (nothing done) or -ENOMEM. */
+int zx_requantize_batch(const struct zx_quant_item *items, int64_t nitems, int64_t group,
+			const struct zx_quant_item *outs, int64_t block, int isa);
+
 #endif /* ZX_QUANT_H */

@@ -111,6 +111,30 @@ static PyObject *py_dequantize_batch(PyObject *self, PyObject *args)
 	return rc < 0 ? zx_raise(rc, "dequantize_batch") : Py_NewRef(Py_None);
 }
 
+static PyObject *py_requantize_batch(PyObject *self, PyObject *args)
+{
+	PyObject *seq, *out_seq;
+	long long group, block;
+	int isa;
+	if (!PyArg_ParseTuple(args, "OLOLi:requantize_batch", &seq, &group, &out_seq, &block, &isa))
+		return NULL;
+	Py_ssize_t n = 0, nout = 0;
+	struct zx_quant_item *items = parse_items(seq, &n), *outs = items ? parse_items(out_seq, &nout) : NULL;
+	if (!outs) {
+		PyMem_Free(items);
+		return NULL;
+	}
+	int rc = -EINVAL;
+	if (group > 0 && n == nout * group) {
+		Py_BEGIN_ALLOW_THREADS
+		rc = zx_requantize_batch(items, n, group, outs, block, isa);
+		Py_END_ALLOW_THREADS
+	}
+	PyMem_Free(items);
+	PyMem_Free(outs);
+	return rc < 0 ? zx_raise(rc, "requantize_batch") : Py_NewRef(Py_None);
+}
+
 PyMethodDef zx_quant_methods[] = {
 	{ "quant_sizes", py_quant_sizes, METH_VARARGS,
 	  "quant_sizes(format, n, block) -> (data_bytes, blocks) of n elements in format (0 int8, 1 int4)" },
@@ -126,5 +150,8 @@ PyMethodDef zx_quant_methods[] = {
 	{ "dequantize_batch", py_dequantize_batch, METH_VARARGS,
 	  "dequantize_batch(items, group, block, accumulate, isa): many dequantizations in one call; with "
 	  "accumulate each group of items adds into one fp32 dst in item order" },
+	{ "requantize_batch", py_requantize_batch, METH_VARARGS,
+	  "requantize_batch(items, group, outs, block, isa): each group of items summed in fp32 in item order "
+	  "and quantized into its out item (raw: stored as fp32); items and outs as in quantize_batch" },
 	{ NULL, NULL, 0, NULL },
 };

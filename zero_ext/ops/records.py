@@ -10,6 +10,7 @@ buffers' addresses to it.
     layout = Layout.of((1000, 3), (True, False), "int4", 512, torch.float32)
     pack(layout, [(src_ptr, valid), ...], dtype, record)        # every piece into one record
     unpack(layout, [record, ...], [[dst_ptr per piece], ...], dtype, accumulate=True)
+    requantize(layout, [[record, ...] per output], wide, [output record, ...], dtype)  # sums, quantized again
 """
 import functools
 from typing import List, Sequence, Tuple
@@ -100,3 +101,34 @@ def unpack(layout: Layout, records: Sequence[torch.Tensor], targets: Sequence[Se
         return
     _sync_threads()
     _C.dequantize_batch(items, group, layout.block, accumulate, isa_code(isa))
+
+
+def requantize(layout: Layout, groups: Sequence[Sequence[torch.Tensor]], out_layout: Layout,
+               outs: Sequence[torch.Tensor], dtype: torch.dtype, isa=None) -> None:
+    """``outs[g]`` (records of ``out_layout``: the same pieces, raw ones fp32) receives the fp32 sum of the
+    records ``groups[g]`` (of ``layout``; raw pieces read as ``dtype``), added piece by piece in record
+    order from zero, quantized again: the bits of ``unpack(..., accumulate=True)`` into a zeroed fp32 run
+    followed by ``pack`` of it, in one C call that keeps no fp32 run (a tile's sum stays in cache)."""
+    if out_layout.numels != layout.numels or out_layout.quantized != layout.quantized or \
+            out_layout.block != layout.block:
+        raise ValueError("requantize: the output records must hold the same pieces, blocks and kinds")
+    if len(groups) != len(outs) or len({len(g) for g in groups}) > 1:
+        raise ValueError("requantize: one output per group, every group as long")
+    items: List[int] = []
+    out_items: List[int] = []
+    code = _CODES[dtype]
+    wide = _CODES[torch.float32]
+    for group, out in zip(groups, outs):
+        bases = [_record_ptr(r, layout) for r in group]
+        out_base = _record_ptr(out, out_layout)
+        for i, (q, n) in enumerate(zip(layout.quantized, layout.numels)):
+            (data_at, scales_at), (out_data, out_scales) = layout.spans[i], out_layout.spans[i]
+            for base in bases:
+                items += (base + data_at, 0, base + scales_at if q else 0, n,
+                          layout.code if q else RAW, wide if q else code)
+            out_items += (0, out_base + out_data, out_base + out_scales if q else 0, n,
+                          out_layout.code if q else RAW, wide)
+    if not out_items:
+        return
+    _sync_threads()
+    _C.requantize_batch(items, len(groups[0]), out_items, layout.block, isa_code(isa))

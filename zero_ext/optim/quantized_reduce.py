@@ -106,18 +106,13 @@ def reduce_scatter_quantized(grads: Sequence[torch.Tensor], shards: Sequence[int
 
 
 def _across_nodes(h: Hierarchy, layout: records.Layout, recv: torch.Tensor, shards, quantized, dtype) -> torch.Tensor:
-    """The second level: the node's partial sums for (n', this local index), quantized again, sent to
-    their nodes, added in node order."""
-    block = sum(shards)
+    """The second level: the node's partial sums for (n', this local index), quantized again (one C call:
+    summed and quantized tile by tile, no fp32 partials), sent to their nodes, added in node order."""
     got = recv.view(h.size, h.nodes, layout.nbytes)  # [local peer i][node n'] for rank (n', my local index)
-    partial = torch.zeros(h.nodes * block, dtype=torch.float32)
-    for n, out in enumerate(partial.view(h.nodes, block)):
-        _sum(layout, list(got[:, n]), shards, dtype, out=out)
     wide = records.Layout.of(tuple(shards), tuple(quantized), GRAD_FORMAT, GRAD_BLOCK, torch.float32)
     send = torch.empty(h.nodes * wide.nbytes, dtype=torch.uint8)
-    records.pack(wide, list(send.view(h.nodes, wide.nbytes)),
-                 [_pieces(list(p.split(list(shards))), shards, 0, whole=True) for p in partial.view(h.nodes, block)],
-                 torch.float32)
+    records.requantize(layout, [list(got[:, n]) for n in range(h.nodes)], wide,
+                       list(send.view(h.nodes, wide.nbytes)), dtype)
     recv2 = torch.empty_like(send)
     comm.all_to_all_single(recv2, send, group=h.cross_group)
     return _sum(wide, list(recv2.view(h.nodes, wide.nbytes)), shards, torch.float32)
