@@ -6,7 +6,7 @@ the arithmetic: training must equal Muon without offload bit for bit (losses, pa
 momentum buffers), stages 1-3, 1 and 2 ranks, fp32 and bf16, stage-3 sub-groups and stage-1/2
 partitions cut into sub-groups, with the momentum in the swap files or in host memory. The memory
 account puts the momentum where it lives, and a checkpoint of an NVMe run loads into a run without
-offload."""
+offload. A write that fails in Muon's step (not a transaction yet) stops the engine by name."""
 import pytest
 import torch
 
@@ -148,3 +148,49 @@ def test_checkpoints_carry_the_momentum_to_and_from_nvme_runs(tmp_path, stage, o
             for n in plain[key]:
                 assert torch.equal(from_nvme[key][n], plain[key][n]), f"NVMe checkpoint: {key} of {n}"
                 assert torch.equal(into_nvme[key][n], plain[key][n]), f"loaded by an NVMe run: {key} of {n}"
+
+
+def _full_drive_stops_the_engine(swap, full):
+    import errno
+
+    import zero_ext
+    from zero_ext.config.errors import EngineUsageError
+    from helpers.fs import lose_reservation
+
+    torch.manual_seed(0)
+    model = MODELS["gpt"]()
+    offload = {"device": "nvme", "nvme_path": swap, "sliced": True}
+    engine = zero_ext.initialize(model=model, config=_config(2, "fp32", offload))[0]
+    gen = torch.Generator().manual_seed(3)
+    engine.backward(engine.module.loss(MODELS["gpt"].batch(2, gen)))
+    engine.step()
+    engine.backward(engine.module.loss(MODELS["gpt"].batch(2, gen)))
+    store = engine.optimizer.nvme
+    victim = store._groups[store.keys()[1]]  # the step's first pass writes it after the first group
+    lose_reservation(store.swapper._files[victim.spare], full)
+    out = {}
+    try:
+        engine.step()
+    except OSError as exc:
+        out["error"] = (exc.errno == errno.ENOSPC, getattr(exc, "rolled_back", False))
+    try:  # nothing more runs: the state on the drive is half of a step
+        engine.step()
+    except EngineUsageError as exc:
+        out["next"] = str(exc)
+    engine.destroy()
+    return out
+
+
+def test_a_full_drive_in_muons_streamed_step_stops_the_engine_by_name(tmp_path, mounts):
+    """Muon's NVMe step is not a transaction (docs/nvme.md): a write that fails in it is the named OSError,
+    and the engine then refuses to go on, saying why and what to do, instead of training on a state half
+    written."""
+    from helpers.fs import mount
+
+    full = mount(tmp_path, "tmpfs", "size=64k")
+    mounts.append(full)
+    (tmp_path / "swap").mkdir()
+    out = run_ranks(1, _full_drive_stops_the_engine, str(tmp_path / "swap"), str(full), timeout=120)[0]
+    assert out["error"] == (True, False), out
+    assert "cannot continue" in out["next"] and ("ENOSPC" in out["next"] or "No space" in out["next"]), out
+    assert "load the last checkpoint" in out["next"], out
