@@ -165,30 +165,58 @@ def record_layout(pieces: Sequence[Tuple[int, bool]], dtype: torch.dtype) -> Tup
 
 
 def reduce_scatter_per_piece(buf: torch.Tensor, block: int, pieces: Sequence[Tuple[int, int, bool]], group,
-                             rank: int, world: int) -> torch.Tensor:
-    """qgZ on a device (CUDA) where the C batches do not run: one level, one (de)quantize call per piece
-    and rank. The fp32 sum over ranks of block ``rank`` of ``buf`` (``world * block`` elements,
-    rank-major). ``pieces``: (offset in a block, elements, quantized) of each piece, the same on every
-    rank. Collective over ``group``."""
+                             rank: int, world: int, hierarchy: Optional[Hierarchy] = None) -> torch.Tensor:
+    """qgZ on a device (CUDA) where the C batches do not run: one (de)quantize call per piece and record,
+    in one level or, with a ``hierarchy``, two (the Note's steps, the same records and sums as the C
+    batches: the same bits). The fp32 sum over ranks of block ``rank`` of ``buf`` (``world * block``
+    elements, rank-major). ``pieces``: (offset in a block, elements, quantized) of each piece, the same on
+    every rank. Collective over ``group`` (the world), synchronous."""
     record, spans = record_layout([(n, q) for _, n, q in pieces], buf.dtype)
+    blocks = buf.view(world, block)
     send = torch.empty(world * record, dtype=torch.uint8, device=buf.device)
-    for r, (row, src) in enumerate(zip(send.view(world, record), buf.view(world, block))):
-        for (offset, numel, quantized), span in zip(pieces, spans):
-            part = src[offset: offset + numel]
-            if quantized:
-                quantize(part, GRAD_FORMAT, GRAD_BLOCK, out=_quantized(row, span, numel, buf.dtype))
-            else:
-                _raw(row, span, buf.dtype).copy_(part)
+    if hierarchy is None:
+        order = range(world)
+    else:  # by destination local index, then node (as reduce_scatter_quantized)
+        order = [n * hierarchy.size + j for j in range(hierarchy.size) for n in range(hierarchy.nodes)]
+    for row, d in zip(send.view(world, record), order):
+        _pack_row(row, blocks[d], pieces, spans, buf.dtype)
     recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send, group=group)
-    total = torch.zeros(block, dtype=torch.float32, device=buf.device)
-    for row in recv.view(world, record):  # rank order: the sum's rounding does not depend on timing
+    if hierarchy is None:
+        comm.all_to_all_single(recv, send, group=group)
+        return _sum_rows(recv.view(world, record), block, pieces, spans, buf.dtype)
+    h = hierarchy
+    comm.all_to_all_single(recv, send, group=h.node_group)
+    got = recv.view(h.size, h.nodes, record)  # [local peer i][node n'] for rank (n', my local index)
+    wide, wide_spans = record_layout([(n, q) for _, n, q in pieces], torch.float32)
+    send2 = torch.empty(h.nodes * wide, dtype=torch.uint8, device=buf.device)
+    for n, row in enumerate(send2.view(h.nodes, wide)):  # the node's partial sum, quantized again
+        _pack_row(row, _sum_rows(got[:, n], block, pieces, spans, buf.dtype), pieces, wide_spans, torch.float32)
+    recv2 = torch.empty_like(send2)
+    comm.all_to_all_single(recv2, send2, group=h.cross_group)
+    return _sum_rows(recv2.view(h.nodes, wide), block, pieces, wide_spans, torch.float32)
+
+
+def _pack_row(row: torch.Tensor, src: torch.Tensor, pieces, spans, dtype) -> None:
+    """One record (record_layout) of ``src``'s pieces: quantized ones as int4 blocks, the others raw."""
+    for (offset, numel, quantized), span in zip(pieces, spans):
+        part = src[offset: offset + numel]
+        if quantized:
+            quantize(part, GRAD_FORMAT, GRAD_BLOCK, out=_quantized(row, span, numel, dtype))
+        else:
+            _raw(row, span, dtype).copy_(part)
+
+
+def _sum_rows(rows: torch.Tensor, block: int, pieces, spans, dtype) -> torch.Tensor:
+    """The records ``rows`` added into a new fp32 block, record by record in order (so the sum's rounding
+    does not depend on timing)."""
+    total = torch.zeros(block, dtype=torch.float32, device=rows.device)
+    for row in rows:
         for (offset, numel, quantized), span in zip(pieces, spans):
             out = total[offset: offset + numel]
             if quantized:
-                dequantize(_quantized(row, span, numel, buf.dtype), out=out, accumulate=True)
+                dequantize(_quantized(row, span, numel, dtype), out=out, accumulate=True)
             else:
-                out.add_(_raw(row, span, buf.dtype))
+                out.add_(_raw(row, span, dtype))
     return total
 
 

@@ -192,12 +192,12 @@ class ShardReducer(StreamingReducer):
         if self.avg.pre != 1.0 and self.reduces:
             buf.mul_(self.avg.pre)
         if self.world > 1:
-            if self.quantized:  # (CUDA) one all-to-all, piece by piece, synchronous: an fp32 sum back
+            if self.quantized:  # (CUDA) piece by piece, in one or two levels, synchronous: an fp32 sum back
                 layout, at = [], 0
                 for zp in members:  # 1-D parameters travel unquantized (see quantized_reduce.py)
                     layout.append((at, zp.shard_numel, len(zp.shape) > 1))
                     at += zp.shard_numel
-                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world)  # (synchronous)
+                buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world, self.hierarchy)
             elif buf.is_cuda:
                 out = torch.empty(block, dtype=self.dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
