@@ -27,6 +27,22 @@ def _losses(engine, steps=2):
     return out
 
 
+def _reference_losses(values, stage):
+    """The losses of a fresh engine over a fresh MLP holding ``values`` (name -> tensor): what a handed-over
+    or rebuilt engine must reproduce."""
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(values[n])
+    ref = zero_ext.initialize(model=model, config=_config(stage))[0]
+    expected = _losses(ref)
+    ref.destroy()
+    return expected
+
+
 def _hooked(model):
     return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules()) or any(
         p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
@@ -96,15 +112,7 @@ def _second_initialize(stage):
     handed_over = [str(w.message) for w in caught if "still held by another engine" in str(w.message)]
     again = _losses(second)
     second.destroy()
-    # the reference: a fresh model holding the first engine's trained values, in a fresh engine
-    torch.manual_seed(0)
-    ref_model = MLP()
-    with torch.no_grad():
-        for n, p in ref_model.named_parameters():
-            p.copy_(trained[n])
-    ref = zero_ext.initialize(model=ref_model, config=_config(stage))[0]
-    expected = _losses(ref)
-    ref.destroy()
+    expected = _reference_losses(trained, stage)  # the first engine's trained values, in a fresh engine
     return first.phase is StepPhase.DESTROYED, len(handed_over), again, expected
 
 
@@ -155,15 +163,7 @@ def _zero_init_model_at(stage):
     whole = all(not hasattr(p, "ds_id") and torch.equal(p.detach(), values[n]) for n, p in model.named_parameters())
     got = _losses(engine)
     engine.destroy()
-    torch.manual_seed(0)
-    ref_model = MLP()
-    with torch.no_grad():
-        for n, p in ref_model.named_parameters():
-            p.copy_(values[n])
-    ref = zero_ext.initialize(model=ref_model, config=_config(stage))[0]
-    expected = _losses(ref)
-    ref.destroy()
-    return warned, whole, got, expected
+    return warned, whole, got, _reference_losses(values, stage)
 
 
 @pytest.mark.parametrize("stage", [0, 2])

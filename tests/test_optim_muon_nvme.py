@@ -10,7 +10,7 @@ offload. A write that fails in Muon's step (not a transaction yet) stops the eng
 import pytest
 import torch
 
-from helpers.engine import fp32_masters, full_params
+from helpers.engine import fp32_masters, full_params, train
 from helpers.harness import run_ranks
 from helpers.models import MODELS
 
@@ -68,13 +68,8 @@ def _train(stage, dtype, model_name, offload, memory=False, save_to=None, load_f
         engine.load_checkpoint(load_from, tag="t")
     gen = torch.Generator().manual_seed(7)
     dt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    losses = []
-    for _ in range(STEPS):
-        batches = [MODELS[model_name].batch(2, gen, dt) for _ in range(world)]
-        loss = engine.module.loss(batches[rank])
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.float().item())
+    steps = [[[MODELS[model_name].batch(2, gen, dt) for _ in range(world)]] for _ in range(STEPS)]
+    losses = train(engine, steps, rank)
     muon = _muon_names(engine)
     opt = engine.optimizer  # this rank's fp32 bytes of the Muon groups and of the Adam groups
     sizes = [((g.hi - g.lo) * 4, opt.optimizer.group_of(g.master)["use_muon"]) for g in opt.flat_groups]

@@ -75,6 +75,7 @@ class _HashingWriter:
 
 
 def fsync_dir(path: str) -> None:
+    """Makes a folder's entries durable (a file's data too: fsync_file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -144,11 +145,7 @@ def write_torch_file(obj: Any, path: str) -> Dict[str, Any]:
 
 def fsync_file(path: str) -> None:
     """Makes the file's data durable (any descriptor of the file will do: the page cache is the inode's)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path)  # (the same call: a read-only descriptor of the path, fsynced)
 
 
 def file_digest(path: str, kind: str = "crc32c") -> Dict[str, Any]:
