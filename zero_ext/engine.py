@@ -30,6 +30,7 @@ from .checkpoint import publish
 from .checkpoint.engine_api import CheckpointMethods
 from .checkpoint.engine_state import check_all_ranks_call
 from .checkpoint.files import atomic_torch_save
+from .config.engine_queries import ConfigQueries
 from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
@@ -87,7 +88,7 @@ def engine_of_module(module) -> Optional["ZeroEngine"]:
     return ref() if ref is not None else None
 
 
-class ZeroEngine(CheckpointMethods, torch.nn.Module):
+class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
     """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
     engine), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
     the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
@@ -402,48 +403,6 @@ class ZeroEngine(CheckpointMethods, torch.nn.Module):
         if self.optimizer is None:
             return []
         return [g.get("betas", g.get("momentum", 0.0)) for g in self.optimizer.param_groups]
-
-    # -- config accessors -------------------------------------------------------------------------------
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def get_batch_info(self):
-        return self.train_batch_size(), self.train_micro_batch_size_per_gpu(), self.gradient_accumulation_steps()
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self._config.zero_optimization.stage > 0
-
-    def bfloat16_enabled(self) -> bool:
-        return self._config.bf16.enabled
-
-    def fp16_enabled(self) -> bool:
-        return self._config.fp16.enabled
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def zero_optimization_partition_weights(self) -> bool:
-        """Whether the parameters are partitioned (stage 3)."""
-        return self.zero_optimization_stage() >= 3
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """zero_optimization.gather_16bit_weights_on_model_save: whether a 16-bit save of a ZeRO-3 model
-        gathers the weights (accelerate asks before calling _zero3_consolidated_16bit_state_dict)."""
-        return self._config.zero_optimization.gather_16bit_weights_on_model_save
-
-    @property
-    def config(self):
-        return self._config
 
     # -- memory -----------------------------------------------------------------------------------------
 

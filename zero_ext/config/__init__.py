@@ -24,6 +24,7 @@ Files:
 - unimplemented.py: features accepted but not built yet, and the one check; deviations.py: where zero_ext
   knowingly differs from DeepSpeed.
 - docgen.py: generates docs/config.md from the schema.
+- engine_queries.py: the engine's config accessors (``train_batch_size()``, ``zero_optimization_stage()``, ...).
 """
 
 from .aio import AioConfig

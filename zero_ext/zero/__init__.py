@@ -24,6 +24,7 @@ Files, one noun each (docs/zero3.md has the design):
 - coordinator.py: prefetch along the recorded fetch order; trace.py: that order (FetchEvent, Trace);
   resident.py: decoding with the whole model kept gathered, checked on a doubling schedule;
   streaming.py: decoding of a model over max_live_parameters, the check carried in the gathers' stamps;
+  streaming_forward.py: the coordinator's streaming forwards (their fences);
   meter.py: GatherMeter, the elements gathered now and at most.
 - external.py: external parameters; gathered.py: GatheredParameters; generation.py: ``generation``, the
   whole model gathered for generation after a memory check; ds_surface.py: DeepSpeed's hook surface
