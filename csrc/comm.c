@@ -108,6 +108,7 @@ static void *progress(void *arg)
 		}
 		struct zx_comm_op *op = take(comm);
 		pthread_mutex_unlock(&comm->lock);
+		atomic_fetch_add_explicit(&comm->handed_off, 1, memory_order_relaxed);
 		run_one(comm, op);
 		pthread_mutex_lock(&comm->lock);
 		comm->running = 0;
@@ -132,8 +133,14 @@ static void run_queued(struct zx_comm *comm, struct zx_comm_op *upto)
 		if (op == upto)
 			break;
 	}
-	pthread_cond_signal(&comm->wake); /* the progress thread takes what is left, and sees stopping */
+	if (comm->head || comm->stopping)
+		pthread_cond_signal(&comm->wake); /* the progress thread takes what is left, or stops */
 	pthread_mutex_unlock(&comm->lock);
+}
+
+void zx_comm_defer_next(struct zx_comm *comm, int on)
+{
+	atomic_store_explicit(&comm->defer_next, on ? 1 : 0, memory_order_relaxed);
 }
 
 /* ---------------------------------------------------------------------------------------------------
@@ -209,6 +216,7 @@ int zx_comm_rank(const struct zx_comm *comm) { return comm->rank; }
 int zx_comm_world(const struct zx_comm *comm) { return comm->world; }
 int64_t zx_comm_segment_bytes(const struct zx_comm *comm) { return zx_shm_bytes(comm); }
 int64_t zx_comm_ops(const struct zx_comm *comm) { return atomic_load(&comm->nops); }
+int64_t zx_comm_handed_off(const struct zx_comm *comm) { return atomic_load(&comm->handed_off); }
 
 /* ---------------------------------------------------------------------------------------------------
  * Ops: one allocation holding the arrays */
@@ -244,7 +252,10 @@ static int enqueue(struct zx_comm *comm, struct zx_comm_op *op, struct zx_comm_o
 	else
 		comm->head = op;
 	comm->tail = op;
-	pthread_cond_signal(&comm->wake);
+	/* A deferred op is run by its waiter, or by the progress thread when it finishes the op it runs
+	 * (it looks at the queue before it sleeps): waking it would only race the waiter for the op. */
+	if (!atomic_exchange_explicit(&comm->defer_next, 0, memory_order_relaxed))
+		pthread_cond_signal(&comm->wake);
 	pthread_mutex_unlock(&comm->lock);
 	*out = op;
 	return 0;

@@ -71,6 +71,7 @@ int zx_comm_rank(const struct zx_comm *comm);
 int zx_comm_world(const struct zx_comm *comm);
 int64_t zx_comm_segment_bytes(const struct zx_comm *comm); /* shared memory this rank maps */
 int64_t zx_comm_ops(const struct zx_comm *comm);	    /* ops enqueued so far */
+int64_t zx_comm_handed_off(const struct zx_comm *comm);    /* ... of which the progress thread ran */
 
 /* --- verbs: each returns 0 with *op set, or -errno (nothing enqueued) --------------------------- */
 
@@ -127,6 +128,11 @@ int zx_comm_agree(struct zx_comm *comm, const char *label, double timeout_s, str
 
 /* --- handles ------------------------------------------------------------------------------------ */
 
+/* The next op this communicator enqueues (any thread) will be waited for at once by its caller, who
+ * then runs it itself (zx_comm_wait): its enqueue wakes no progress thread. on=0 withdraws the promise
+ * (a caller whose op failed before it was queued). Never for an op the caller may not wait for: it
+ * would run only at the next wait, or after the op before it when one is running. */
+void zx_comm_defer_next(struct zx_comm *comm, int on);
 /* Blocks until the op ran; returns its status. May be called again (same status). */
 int zx_comm_wait(struct zx_comm_op *op);
 /* 1 once the op ran, else 0. */

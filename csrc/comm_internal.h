@@ -74,6 +74,8 @@ struct zx_comm {
 	int running; /* an op is being run: by the progress thread, or by a waiter (zx_comm_wait) */
 	int stopping;
 	_Atomic int64_t nops;
+	_Atomic int defer_next; /* zx_comm_defer_next: the next op enqueued wakes no thread */
+	_Atomic int64_t handed_off; /* ops the progress thread ran (the rest ran on their waiter's thread) */
 
 	/* the first failure (the progress thread's only) */
 	int failed;

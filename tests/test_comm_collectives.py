@@ -78,3 +78,32 @@ def test_the_facade_gives_the_same_results_on_both_transports():
             assert native[rank].pop("transport") == "native shared memory"
             assert on_torch[rank].pop("transport") == "torch.distributed"
             assert native[rank] == on_torch[rank], f"world {world}, rank {rank}"
+
+
+def _ops_handed_to_the_progress_thread():
+    """How many of the facade's blocking calls, then of its async ones, the native communicator's
+    progress thread ran (a blocking call runs its op on the caller's thread: no wake-up, no hand-over)."""
+    from zero_ext import comm
+    from zero_ext.comm import native
+
+    comm.barrier()
+    communicator = native.for_group().comm
+    before = communicator.handed_off
+    t = torch.ones(4096)
+    for _ in range(20):
+        comm.all_reduce(t)
+        comm.all_gather_into_tensor(torch.empty(2 * 4096), t)
+        comm.reduce_scatter_tensor(torch.empty(2048), t)
+        comm.broadcast(t, src=0)
+        comm.barrier()
+    blocking = communicator.handed_off - before
+    works = [comm.all_reduce(torch.ones(4096), async_op=True) for _ in range(4)]
+    for w in works:
+        w.wait()
+    return blocking, t[0].item()
+
+
+def test_blocking_facade_calls_run_on_the_callers_thread():
+    for blocking, value in run_ranks(2, _ops_handed_to_the_progress_thread):
+        assert blocking == 0
+        assert value == 2.0 ** 20  # each round's all-reduce doubles t; broadcast keeps rank 0's

@@ -310,6 +310,35 @@ def test_ops_in_flight_run_in_call_order():
         assert reply[1][0] == [float(1 + 2 * k) for k in range(8)]
 
 
+def _blocking_then_async(conn, rank, world, cid):
+    """Blocking ops (promised with defer_next, as the facade's blocking calls do) run on the caller's
+    thread: the progress thread runs none of them. Async ops are still handed to it."""
+    comm = _join(cid, rank, world)
+    x = torch.full((5000,), float(rank + 1))
+    for _ in range(50):
+        comm.defer_next()
+        comm.all_reduce(x.data_ptr(), x.data_ptr(), x.numel(), 0, SUM, 0.5).wait()
+    blocking = comm.handed_off
+    ops = [comm.all_reduce(x.data_ptr(), x.data_ptr(), x.numel(), 0, SUM, 0.5) for _ in range(8)]
+    deadline = time.monotonic() + 60
+    while not all(op.test() for op in ops) and time.monotonic() < deadline:
+        time.sleep(0.001)  # nobody waits: only the progress thread can run them
+    done = [op.test() for op in ops]
+    handed = comm.handed_off
+    comm.destroy()
+    return blocking, done, handed, x[0].item()
+
+
+def test_a_blocking_op_runs_on_its_caller_and_async_ops_on_the_progress_thread():
+    replies = _spawn(2, _blocking_then_async, _C.comm_unique_id())
+    for reply in replies:
+        assert reply[0] == "ok", reply
+        blocking, done, handed, value = reply[1]
+        assert blocking == 0  # without defer_next the progress thread, woken, takes some of them
+        assert done == [1] * 8 and handed == 8
+        assert value == 1.5  # (1 + 2) / 2 stays 1.5 through every averaged all-reduce
+
+
 # ---------------------------------------------------------------------------------------------------
 # Faults: each ends every other rank's call inside the timeout, naming the rank
 

@@ -391,6 +391,16 @@ static PyObject *comm_agree(PyObject *obj, PyObject *args)
 	return op_wrap((comm_object *)obj, rc, op, "agree");
 }
 
+static PyObject *comm_defer_next(PyObject *obj, PyObject *args)
+{
+	int on = 1;
+	struct zx_comm *comm = comm_live((comm_object *)obj);
+	if (!comm || !PyArg_ParseTuple(args, "|p:defer_next", &on))
+		return NULL;
+	zx_comm_defer_next(comm, on);
+	Py_RETURN_NONE;
+}
+
 static PyObject *comm_get_int(PyObject *obj, void *which)
 {
 	struct zx_comm *comm = comm_live((comm_object *)obj);
@@ -400,7 +410,8 @@ static PyObject *comm_get_int(PyObject *obj, void *which)
 	case 0: return PyLong_FromLong(zx_comm_rank(comm));
 	case 1: return PyLong_FromLong(zx_comm_world(comm));
 	case 2: return PyLong_FromLongLong(zx_comm_segment_bytes(comm));
-	default: return PyLong_FromLongLong(zx_comm_ops(comm));
+	case 3: return PyLong_FromLongLong(zx_comm_ops(comm));
+	default: return PyLong_FromLongLong(zx_comm_handed_off(comm));
 	}
 }
 
@@ -427,6 +438,8 @@ static PyMethodDef comm_methods[] = {
 	{ "barrier", comm_barrier, METH_NOARGS, "barrier() -> CommOp" },
 	{ "agree", comm_agree, METH_VARARGS,
 	  "agree(label, timeout_s=0) -> CommOp: a barrier the ranks pass only under the same label" },
+	{ "defer_next", comm_defer_next, METH_VARARGS,
+	  "defer_next(on=True): the next op is waited for at once by its caller (no progress-thread wake-up)" },
 	{ "unlink", comm_unlink, METH_NOARGS, "Rank 0, once every rank joined: removes the segment's name." },
 	{ "destroy", comm_destroy, METH_NOARGS, "Waits for the ops in flight, leaves, frees (idempotent)." },
 	{ NULL, NULL, 0, NULL },
@@ -437,6 +450,8 @@ static PyGetSetDef comm_getset[] = {
 	{ "world", comm_get_int, NULL, "ranks of the communicator", (void *)1 },
 	{ "segment_bytes", comm_get_int, NULL, "bytes of shared memory mapped", (void *)2 },
 	{ "ops", comm_get_int, NULL, "ops enqueued so far", (void *)3 },
+	{ "handed_off", comm_get_int, NULL, "ops the progress thread ran (the rest: on their waiter's thread)",
+	  (void *)4 },
 	{ "destroyed", comm_get_destroyed, NULL, "whether destroy() ran", NULL },
 	{ NULL, NULL, NULL, NULL, NULL },
 };

@@ -130,6 +130,18 @@ class Native:
         self.comm, self.ranks = comm, ranks
         self.rank, self.world = comm.rank, comm.world
 
+    def _issue(self, async_op, verb, *args):
+        """verb(*args), an op of this communicator. A blocking call runs its op on this thread at the wait
+        (zx_comm_wait), so its enqueue need not wake the progress thread (comm.h, zx_comm_defer_next)."""
+        if async_op:
+            return verb(*args)
+        self.comm.defer_next()
+        try:
+            return verb(*args)
+        except BaseException:
+            self.comm.defer_next(False)
+            raise
+
     def _run(self, op, keep, after, async_op):
         work = Work(op, keep, after)
         if async_op:
@@ -148,7 +160,8 @@ class Native:
                              f"expected {self.world} x {inp.numel()} {inp.dtype}")
         out, back = _contiguous(output)
         src = inp if inp.is_contiguous() else inp.contiguous()
-        op = self.comm.all_gather(src.data_ptr(), out.data_ptr(), src.numel() * src.element_size())
+        op = self._issue(async_op, self.comm.all_gather, src.data_ptr(), out.data_ptr(),
+                         src.numel() * src.element_size())
         return self._run(op, (out, src, output), back, async_op)
 
     def all_gather(self, outputs: List[torch.Tensor], inp: torch.Tensor, async_op=False):
@@ -163,7 +176,8 @@ class Native:
             for t, piece in zip(outputs, staging.view(self.world, -1)):
                 t.copy_(piece.view_as(t))
         src = inp.contiguous()
-        op = self.comm.all_gather(src.data_ptr(), staging.data_ptr(), src.numel() * src.element_size())
+        op = self._issue(async_op, self.comm.all_gather, src.data_ptr(), staging.data_ptr(),
+                         src.numel() * src.element_size())
         return self._run(op, (staging, src, outputs), unpack, async_op)
 
     def all_gather_group(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor], async_op=False):
@@ -171,14 +185,15 @@ class Native:
         for o, i in zip(outputs, inputs):
             if not (o.is_contiguous() and i.is_contiguous()) or o.numel() != i.numel() * self.world:
                 raise ValueError("all_gather_group: contiguous outputs of world x input elements")
-        op = self.comm.all_gather_group([t.data_ptr() for t in inputs], [t.data_ptr() for t in outputs],
-                                        [t.numel() * t.element_size() for t in inputs])
+        op = self._issue(async_op, self.comm.all_gather_group, [t.data_ptr() for t in inputs],
+                         [t.data_ptr() for t in outputs], [t.numel() * t.element_size() for t in inputs])
         return self._run(op, (outputs, inputs), None, async_op)
 
     def all_gather_v(self, output: torch.Tensor, inp: torch.Tensor, counts, async_op=False):
         size = output.element_size()
         src = inp if inp.is_contiguous() else inp.contiguous()
-        op = self.comm.all_gather_v(src.data_ptr(), output.data_ptr(), [c * size for c in counts])
+        op = self._issue(async_op, self.comm.all_gather_v, src.data_ptr(), output.data_ptr(),
+                         [c * size for c in counts])
         return self._run(op, (output, src), None, async_op)
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes=None,
@@ -196,7 +211,7 @@ class Native:
             if nbytes % self.world or out.numel() != src.numel():
                 raise ValueError(f"all_to_all_single: {src.numel()} input and {out.numel()} output elements "
                                  f"do not split evenly over {self.world} ranks")
-            op = self.comm.all_to_all(src.data_ptr(), out.data_ptr(), nbytes // self.world)
+            op = self._issue(async_op, self.comm.all_to_all, src.data_ptr(), out.data_ptr(), nbytes // self.world)
             return self._run(op, (out, src, output), back, async_op)
         if math.prod(output.shape[1:]) != math.prod(inp.shape[1:]):
             raise ValueError(f"all_to_all_single: output rows {tuple(output.shape[1:])} differ from input rows "
@@ -205,18 +220,20 @@ class Native:
         got = _splits(output_split_sizes, output, self.world, "output")
         mine = torch.tensor(sent, dtype=torch.int64)
         rows = torch.empty(self.world * self.world, dtype=torch.int64)
-        self._run(self.comm.all_gather(mine.data_ptr(), rows.data_ptr(), mine.numel() * 8), (mine, rows), None, False)
+        op = self._issue(False, self.comm.all_gather, mine.data_ptr(), rows.data_ptr(), mine.numel() * 8)
+        self._run(op, (mine, rows), None, False)
         matrix = rows.tolist()
         received = matrix[self.rank::self.world]
         if received != got:
             raise ValueError(f"all_to_all_single: rank {self.rank} expects {got} rows from the ranks, they send "
                              f"{received}")
-        op = self.comm.all_to_all_v(src.data_ptr(), out.data_ptr(), [n * row for n in matrix])
+        op = self._issue(async_op, self.comm.all_to_all_v, src.data_ptr(), out.data_ptr(), [n * row for n in matrix])
         return self._run(op, (out, src, output), back, async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op=False):
         buf, back = _contiguous(tensor)
-        op = self.comm.broadcast(buf.data_ptr(), buf.numel() * buf.element_size(), self.group_rank(src))
+        op = self._issue(async_op, self.comm.broadcast, buf.data_ptr(), buf.numel() * buf.element_size(),
+                         self.group_rank(src))
         return self._run(op, (buf, tensor), back, async_op)
 
     def scatter(self, tensor: torch.Tensor, chunks, src: int, async_op=False):
@@ -230,16 +247,17 @@ class Native:
             full = _flat_run(list(chunks))
             if full is None:
                 full = torch.cat([c.reshape(-1) for c in chunks])
-        op = self.comm.scatter(full.data_ptr() if full is not None else 0, out.data_ptr(), nbytes, root)
+        op = self._issue(async_op, self.comm.scatter, full.data_ptr() if full is not None else 0, out.data_ptr(),
+                         nbytes, root)
         return self._run(op, (out, full, tensor), back, async_op)
 
     def barrier(self, async_op=False):
-        return self._run(self.comm.barrier(), None, None, async_op)
+        return self._run(self._issue(async_op, self.comm.barrier), None, None, async_op)
 
     def agree(self, label: str, timeout_s: float = 0.0) -> None:
         """A barrier the ranks pass only under the same ``label`` (31 characters compared): a rank in another
         collective fails at once, naming it (csrc/comm.h, zx_comm_agree); ``timeout_s`` > 0 bounds the wait."""
-        self._run(self.comm.agree(label, timeout_s), None, None, False)
+        self._run(self._issue(False, self.comm.agree, label, timeout_s), None, None, False)
 
     # --- reductions (callers check reducible() first) ----------------------------------------------
 
@@ -249,15 +267,15 @@ class Native:
 
     def all_reduce(self, tensor: torch.Tensor, op, async_op=False):
         buf, back = _contiguous(tensor)
-        work = self.comm.all_reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), _REDUCE_DTYPES[buf.dtype],
-                                    redop_code(op), 1.0)
+        work = self._issue(async_op, self.comm.all_reduce, buf.data_ptr(), buf.data_ptr(), buf.numel(),
+                           _REDUCE_DTYPES[buf.dtype], redop_code(op), 1.0)
         return self._run(work, (buf, tensor), back, async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op, async_op=False):
         buf, back = _contiguous(tensor)
         root = self.group_rank(dst)
-        work = self.comm.reduce(buf.data_ptr(), buf.data_ptr(), buf.numel(), _REDUCE_DTYPES[buf.dtype],
-                                redop_code(op), 1.0, root)
+        work = self._issue(async_op, self.comm.reduce, buf.data_ptr(), buf.data_ptr(), buf.numel(),
+                           _REDUCE_DTYPES[buf.dtype], redop_code(op), 1.0, root)
         return self._run(work, (buf, tensor), back if self.rank == root else None, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, inp: torch.Tensor, op, async_op=False):
@@ -266,8 +284,8 @@ class Native:
                              f"{self.world} x {output.numel()} {output.dtype}")
         out, back = _contiguous(output)
         src = inp if inp.is_contiguous() else inp.contiguous()
-        work = self.comm.reduce_scatter(src.data_ptr(), out.data_ptr(), out.numel(), _REDUCE_DTYPES[out.dtype],
-                                        redop_code(op), 1.0)
+        work = self._issue(async_op, self.comm.reduce_scatter, src.data_ptr(), out.data_ptr(), out.numel(),
+                           _REDUCE_DTYPES[out.dtype], redop_code(op), 1.0)
         return self._run(work, (out, src, output), back, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: List[torch.Tensor], op, async_op=False):
