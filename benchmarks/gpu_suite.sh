@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one call, for a machine with a CUDA device: builds zero_ext with its CUDA library
-# (ZERO_EXT_CUDA=1: fail if nvcc/NCCL are missing), runs the tests marked `gpu`, then the GPU benchmarks,
+# (ZERO_EXT_CUDA=1: fail if nvcc/NCCL are missing), runs the tests marked `gpu`, then the GPU benchmark
+# (benchmarks/bench_gpu.py: kernels vs torch and the copy floor; the engine at world 1 vs plain torch),
 # and prints a short table. Usage: bash benchmarks/gpu_suite.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,4 +17,8 @@ tests_rc=${PIPESTATUS[0]}
 printf '\n%-28s %s\n' "check" "result"
 printf '%-28s %ss\n' "build (ZERO_EXT_CUDA=1)" "$build_s"
 printf '%-28s %s\n' "gpu tests" "$(grep -E '(passed|failed|error)' /tmp/zero_ext_gpu_tests.log | tail -1)"
+echo
+timeout 300 "$PY" benchmarks/bench_gpu.py ${BENCH_GPU_ARGS:-} 2>&1 | tee /tmp/zero_ext_gpu_bench.log | tail -20
+bench_rc=${PIPESTATUS[0]}
+printf '%-28s %s\n' "gpu benchmark" "exit $bench_rc (table above; log /tmp/zero_ext_gpu_bench.log)"
 exit "$tests_rc"
