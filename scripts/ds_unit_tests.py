@@ -1,0 +1,98 @@
+"""DeepSpeed's own unit tests against this checkout's `deepspeed` compatibility package (compat/), file
+by file, with a table of counts: how issue 20's measurement is taken, so anyone can repeat it.
+
+    python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests            # compat/ over zero_ext
+    python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --reference /venv/bin/python
+
+``--tests`` is the ``tests`` folder of a DeepSpeed checkout (its conftest and unit/common.py harness
+run unchanged; nothing of it is copied here). Each file runs in its own pytest process on the CPU:
+``LOCAL_SIZE`` (default 2) makes the CPU accelerator report that many devices, DeepSpeed's as ours,
+so the harness's 2-rank DistributedTests spawn gloo ranks instead of skipping; tests that want more
+ranks than that still skip. ``--reference PYTHON`` runs the same files on the real DeepSpeed installed
+for that interpreter (``DS_ACCELERATOR=cpu``; its CPU accelerator falls back to gloo without oneCCL),
+which tells a test that cannot run on a CPU from one that zero_ext fails. Logs (``pytest -rA``: every
+test's outcome and the reason of each skip) go to --logs.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The files of issue 20's measurement: ZeRO, config and checkpoint tests of DeepSpeed's tests/unit.
+FILES = [
+    "unit/runtime/test_ds_config_dict.py", "unit/runtime/test_ds_config_model.py",
+    "unit/checkpoint/test_zero_optimizer.py", "unit/checkpoint/test_lr_scheduler.py",
+    "unit/checkpoint/test_other_optimizer.py", "unit/checkpoint/test_latest_checkpoint.py",
+    "unit/checkpoint/test_tag_validation.py",
+    "unit/v1/zero/test_zero.py", "unit/v1/zero/test_offload_states.py",
+] + [f"unit/runtime/zero/{name}.py" for name in (
+    "test_zero_config", "test_zero_context", "test_zero_context_ancestry", "test_zero_context_return",
+    "test_zero_dynamic_class", "test_zero_hook_attribute_delegation", "test_zero_late_module_attach",
+    "test_zero_leaf_module", "test_zero_linear_direct_init", "test_zero_nesting_init",
+    "test_zero_tensor_fragment", "test_zero_tiled", "test_zeropp", "test_unwrap_model",
+    "test_ignore_unused_parameters", "test_zero_offloadpp", "test_nvme_checkpointing", "test_zero_grad_clip",
+    "test_zero_allreduce_fetch_params", "test_zero_autocast_mixed_dtype")]
+
+OUTCOMES = ("passed", "failed", "error", "skipped")
+
+
+def counts(summary: str) -> dict:
+    """pytest's last line ('3 passed, 1 failed, 2 skipped in 4.5s') as {outcome: n}."""
+    found = {k: 0 for k in OUTCOMES}
+    for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary):
+        found["error" if word.startswith("error") else word] += int(n)
+    return found
+
+
+def run_file(args, path: str) -> dict:
+    env = dict(os.environ, LOCAL_SIZE=str(args.ranks))
+    if args.reference:
+        env["DS_ACCELERATOR"] = "cpu"
+        env.pop("PYTHONPATH", None)
+    else:  # this checkout's compat/ and zero_ext before anything installed
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "compat"), ROOT, env.get("PYTHONPATH", "")])
+    log = os.path.join(args.logs, path.replace("/", "_") + ".log")
+    cmd = [args.reference or sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
+           "--color=no", path]
+    start = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            subprocess.run(cmd, cwd=args.tests, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=args.timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    lines = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()]
+    row = counts(lines[-1] if lines and not timed_out else "")
+    row.update(seconds=time.monotonic() - start, timed_out=timed_out, log=log)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tests", required=True, help="a DeepSpeed checkout's tests/ folder")
+    p.add_argument("--reference", metavar="PYTHON", help="run on the real DeepSpeed of this interpreter")
+    p.add_argument("--ranks", type=int, default=2, help="LOCAL_SIZE: CPU devices the accelerator reports")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per file")
+    p.add_argument("--logs", default="/tmp/ds_unit_logs")
+    p.add_argument("files", nargs="*", help=f"test files below --tests (default: the {len(FILES)} of issue 20)")
+    args = p.parse_args()
+    os.makedirs(args.logs, exist_ok=True)
+    total = {k: 0 for k in OUTCOMES}
+    print(f"{'file':58} " + " ".join(f"{k:>7}" for k in OUTCOMES) + f" {'s':>6}")
+    for path in args.files or FILES:
+        row = run_file(args, path)
+        for k in OUTCOMES:
+            total[k] += row[k]
+        note = "  TIMED OUT" if row["timed_out"] else ""
+        print(f"{path:58} " + " ".join(f"{row[k]:7d}" for k in OUTCOMES) + f" {row['seconds']:6.0f}{note}",
+              flush=True)
+    print(f"{'total':58} " + " ".join(f"{total[k]:7d}" for k in OUTCOMES))
+    print(f"logs: {args.logs}")
+
+
+if __name__ == "__main__":
+    main()
