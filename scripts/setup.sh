@@ -17,9 +17,14 @@ fi
 # The other Python packages, by import name = pip name, each only if it does not import.
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
+import importlib.metadata
 need = {"pydantic": "pydantic>=2", "numpy": "numpy", "tqdm": "tqdm", "hjson": "hjson", "pytest": "pytest",
-        "hypothesis": "hypothesis", "setuptools": "setuptools>=64", "wheel": "wheel"}
-print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
+        "hypothesis": "hypothesis", "setuptools": "setuptools>=77", "wheel": "wheel"}
+def too_old(dist, minimum):  # pyproject.toml's SPDX `license` string needs setuptools 77
+    major = importlib.metadata.version(dist).split(".")[0]
+    return not major.isdigit() or int(major) < minimum
+print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None
+               or (mod == "setuptools" and too_old("setuptools", 77))))
 PYEOF
 )
 if [ -n "$missing" ]; then
