@@ -107,3 +107,24 @@ def test_blocking_facade_calls_run_on_the_callers_thread():
     for blocking, value in run_ranks(2, _ops_handed_to_the_progress_thread):
         assert blocking == 0
         assert value == 2.0 ** 20  # each round's all-reduce doubles t; broadcast keeps rank 0's
+
+
+def _reduce_scatter_without_gloo_support():
+    """The torch transport's reduce-scatter where gloo has none (torch < 2.6): all-reduce, keep the chunk."""
+    from zero_ext.comm import collectives
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    inp = torch.arange(4 * world, dtype=torch.float32) * (rank + 1)
+    out, later = torch.empty(4), torch.empty(2, 2)
+    collectives._reduce_scatter_by_all_reduce(out, inp, collectives.ReduceOp.SUM, None, False)
+    collectives._reduce_scatter_by_all_reduce(later, inp, collectives.ReduceOp.SUM, None, True).wait()
+    return out.tolist(), later.reshape(-1).tolist()
+
+
+def test_reduce_scatter_falls_back_to_an_all_reduce_where_gloo_lacks_it():
+    for world in (2, 3):
+        total = sum(range(1, world + 1))  # rank r's input is (r + 1) * arange
+        for rank, (out, later) in enumerate(run_ranks(world, _reduce_scatter_without_gloo_support,
+                                                       env={"ZERO_EXT_COMM": "torch"})):
+            want = [total * float(i) for i in range(4 * rank, 4 * rank + 4)]
+            assert out == later == want

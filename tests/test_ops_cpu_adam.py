@@ -138,9 +138,14 @@ def special_values(n, gen):
 
 
 def assert_same_bits(ours, ref, what):
-    if TORCH_VECTORISED:
+    """The same bits; where ref is NaN only a NaN, unless torch's vectorised cast (whose NaNs we match)
+    made ref. A NaN's bits are torch's own choice: its scalar cast writes bf16 NaN as 0x7FC0 where the
+    vectorised one writes 0xFFFF, and torch 2.4 wrote every fp16 NaN as 0x7FFF (2.15 keeps the sign and
+    the quiet bit, as the kernel does)."""
+    old_torch = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 5)
+    if TORCH_VECTORISED and not (ref.dtype == torch.float16 and old_torch):
         assert torch.equal(bits(ours), bits(ref)), what
-    else:  # torch's scalar cast writes bf16 NaN as 0x7FC0 where its vectorised one writes 0xFFFF
+    else:
         nan = torch.isnan(ref)
         assert torch.equal(torch.isnan(ours), nan) and torch.equal(bits(ours)[~nan], bits(ref)[~nan]), what
 

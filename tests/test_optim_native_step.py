@@ -265,3 +265,34 @@ def test_the_c_kernel_step_matches_torch(stage, dtype, world, gas, kind, clip):
     for r, (_, _, _, losses, _) in enumerate(results):
         for a, b in zip(losses, ref_losses[r]):
             assert abs(a - b) <= tol * abs(b) + 1e-7, f"rank {r}: loss {a} vs {b}"
+
+
+class _EagerAdagrad(torch.optim.Adagrad):
+    """torch.optim.Adagrad as torch 2.4 constructs it: "step" and "sum" filled for every parameter in the
+    constructor (later versions fill them at the first step)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not self.state[p]:
+                    self.state[p]["step"] = torch.tensor(0.0)
+                    self.state[p]["sum"] = torch.full_like(p, group["initial_accumulator_value"])
+
+
+def test_masters_take_over_the_state_an_eager_constructor_made_for_the_parameters():
+    from zero_ext.optim.factory import adopt_masters
+
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+    masters = [p.detach().clone().requires_grad_(True) for p in params]
+    base = _EagerAdagrad(params, lr=0.1, initial_accumulator_value=0.25)
+    base.param_groups[0]["params"] = list(masters)  # what the ZeRO optimizer's groups do
+    adopt_masters(base)
+    assert set(map(id, base.state)) == set(map(id, masters))  # the parameters' full-size sums are gone
+    reference = [m.detach().clone().requires_grad_(True) for m in masters]
+    plain = torch.optim.Adagrad(reference, lr=0.1, initial_accumulator_value=0.25)
+    for opt, ps in ((base, masters), (plain, reference)):
+        for p in ps:
+            p.grad = torch.linspace(-1, 1, p.numel())
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(masters, reference))

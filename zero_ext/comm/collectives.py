@@ -90,7 +90,12 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     native = _route(group, output, input)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter_tensor(output, input, op, async_op)
-    return _torch.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    if not _TORCH_LACKS_REDUCE_SCATTER:
+        try:
+            return _torch.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        except RuntimeError as e:
+            _note_missing_reduce_scatter(e)
+    return _reduce_scatter_by_all_reduce(output, input, op, group, async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
@@ -98,7 +103,39 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=Fal
     native = _route_cpu(group, output, *input_list)
     if native is not None and native.reducible(output.dtype, op):
         return native.reduce_scatter(output, input_list, op, async_op)
-    return _torch.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+    if not _TORCH_LACKS_REDUCE_SCATTER:
+        try:
+            return _torch.reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        except RuntimeError as e:
+            _note_missing_reduce_scatter(e)
+    return _reduce_scatter_by_all_reduce(output, torch.cat([t.reshape(-1) for t in input_list]), op, group, async_op)
+
+
+# gloo before torch 2.6 has no reduce-scatter ("ProcessGroupGloo does not support reduce_scatter"): there
+# the torch transport all-reduces a copy of the whole input and keeps this rank's chunk (what DeepSpeed
+# does for such backends too), with the same sum per element as a reduce-scatter would give.
+_TORCH_LACKS_REDUCE_SCATTER = False
+
+
+def _note_missing_reduce_scatter(error: RuntimeError) -> None:
+    global _TORCH_LACKS_REDUCE_SCATTER
+    if "does not support reduce_scatter" not in str(error):
+        raise error
+    _TORCH_LACKS_REDUCE_SCATTER = True
+
+
+def _reduce_scatter_by_all_reduce(output, flat_input, op, group, async_op):
+    rank = dist.get_rank(group)
+    whole = flat_input.reshape(-1).clone()
+    work = _torch.all_reduce(whole, op=op, group=group, async_op=async_op)
+
+    def keep_own_chunk():
+        output.copy_(whole.view(-1, output.numel())[rank].view_as(output))
+
+    if async_op:
+        return _Then(work, keep_own_chunk)
+    keep_own_chunk()
+    return None
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):

@@ -141,3 +141,26 @@ def check_client_params(model: torch.nn.Module, base: torch.optim.Optimizer) -> 
     if base.state:
         raise ValueError("zero_ext.initialize: the optimizer already has state (it has stepped); pass a fresh "
                          "optimizer — ZeRO repartitions its state")
+
+
+def adopt_masters(base: torch.optim.Optimizer) -> None:
+    """After the base optimizer's groups were given the fp32 masters in place of the model's parameters:
+    state its constructor made for those parameters is dropped, and the masters get the same. Only
+    torch's Adagrad before torch 2.5 fills state in its constructor (the later ones, and every other
+    optimizer here, fill it at the first step); left as it was, its step would look for the masters'
+    "sum" and fail, and the parameters' full-size sums would stay allocated."""
+    live = {id(p) for group in base.param_groups for p in group["params"]}
+    stale = [p for p in base.state if id(p) not in live]
+    if not stale or not isinstance(base, torch.optim.Adagrad):
+        for p in stale:
+            del base.state[p]
+        return
+    step = base.state[stale[0]].get("step")
+    for p in stale:
+        del base.state[p]
+    for group in base.param_groups:
+        for p in group["params"]:
+            state = base.state[p]
+            if not state:  # torch's constructor's values, for the master
+                state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+                state["sum"] = torch.full_like(p, group["initial_accumulator_value"])

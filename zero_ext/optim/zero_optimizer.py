@@ -21,6 +21,7 @@ from ..comm.mpu import ParallelGroups, is_model_parallel_parameter
 from .._native import planner
 from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
+from .factory import adopt_masters
 from .flat_group import FlatGroup
 from .grad_views import GradientViews
 from .loss_scaler import StaticLossScaler
@@ -37,6 +38,7 @@ class ZeroOptimizer(GradientViews):
                  loss_scaler: Optional[StaticLossScaler] = None, process_group=None, after_step=(),
                  nvme_pieces=None, model_parallel: Optional[ParallelGroups] = None):
         self.optimizer = base
+        adopt_masters(base)
         self.groups = groups  # one per base param group; None for a group without trainable params
         self.flat_groups = [g for g in groups if g is not None]
         self.reducer, self.stage = reducer, stage
