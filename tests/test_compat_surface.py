@@ -283,13 +283,14 @@ def test_build_info_and_which_ops_exist(ds, tmp_path):
     from deepspeed.accelerator import is_current_accelerator_supported
     from deepspeed.checkpoint.utils import get_model_ckpt_name_for_rank, get_zero_ckpt_name_for_rank
     from deepspeed.ops.aio import AsyncIOBuilder
-    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder
     from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
     from deepspeed.utils.torch import required_torch_version
 
     ops = ds.ops.__compatible_ops__
     assert ops[CPUAdamBuilder.NAME] and ops[AsyncIOBuilder.NAME] and CPUAdamBuilder().is_compatible()
-    assert not ops[FusedAdamBuilder.NAME] and not FusedAdamBuilder().is_compatible()  # a CUDA kernel of DeepSpeed's
+    assert ops[FusedAdamBuilder.NAME] and FusedAdamBuilder().is_compatible()  # torch's multi-tensor Adam
+    assert not ops[FusedLambBuilder.NAME] and not FusedLambBuilder().is_compatible()  # a CUDA kernel of DeepSpeed's
     with pytest.raises(RuntimeError, match="DeepSpeedCPUAdam"):
         CPUAdamBuilder().load()
     assert info.installed_ops == ops and info.version == ds.__version__ and info.git_hash == ds.__git_hash__

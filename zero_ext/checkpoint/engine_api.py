@@ -16,7 +16,12 @@ class CheckpointMethods:
         tag and `latest` appear when rank 0 has made them durable, in the background (wait_for_checkpoint)."""
         self._require_alive("save_checkpoint")  # (its optimizer state is gone: the checkpoint would be incomplete)
         with self._state_in_memory(modified=False):
-            return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+            saved = save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if self.zero_model is not None:
+            # Stage 3 leaves its persistent parameters whole after a save, as after a load or a step (DeepSpeed's
+            # checkpoint epilogue does the same): released by empty_partition_cache, they are readable again.
+            self.zero_model.refresh_persistent()
+        return saved
 
     def load_checkpoint(self, load_dir: str, tag=None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,

@@ -38,7 +38,8 @@ DEVIATIONS = [
     ("elastic_checkpoint",
      "Stages 1-2: each rank reads every rank's optimizer file and merges them (loads across "
      "world sizes); stage 3: a deprecation warning.",
-     "A deprecation warning at every stage; the key has no effect.",
+     "A deprecation warning at every stage (a ConfigDeprecationWarning, as for every deprecated key; "
+     "DeepSpeed logs its stage-3 notice on its logger); the key has no effect.",
      "zero_ext checkpoints reshard natively: any world size and stage load any checkpoint."),
     ("Checks DeepSpeed makes only in initialize",
      "pipeline_loading_checkpoint needs stage 3, legacy_stage1 is refused, allgather_bucket_size "

@@ -113,8 +113,8 @@ def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
 # Optimizers ZeRO is tested with (DeepSpeed's list, in zero_ext's terms): element-wise updates, which
 # give the same result on a flat partition as on the parameters. Others need
 # zero_allow_untested_optimizer (a shape-aware optimizer cannot run on flat partitions).
-ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion", "DeepSpeedCPUAdam",
-                             "TorchStepped", "MuonWithAuxAdam")
+ZERO_SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam", "Adagrad", "CPUAdam", "CPUAdagrad", "CPULion",
+                             "DeepSpeedCPUAdam", "TorchStepped", "MuonWithAuxAdam")
 
 
 def check_zero_optimizer(base: torch.optim.Optimizer, stage: int, allow_untested: bool) -> None:

@@ -93,6 +93,11 @@ class ZeroOptimizer(GradientViews):
         return self._masters((3,), "fp32_partitioned_groups_flat")
 
     @property
+    def fp32_groups_flat(self) -> List[torch.Tensor]:
+        """Stage 0: each group's fp32 master, whole (DeepSpeed's FP16_Optimizer attribute)."""
+        return self._masters((0,), "fp32_groups_flat")
+
+    @property
     def parallel_partitioned_bit16_groups(self) -> List[List[torch.Tensor]]:
         """Stages 1/2: each group's 16-bit flat buffer cut into the ranks' partitions (views, rank by rank)."""
         if self.stage not in (1, 2):

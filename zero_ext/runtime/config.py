@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional, Union
 from ..comm import get_rank, get_world_size, is_initialized
 from ..config import ConfigError, load_config
 from ..config.batch import resolve_batch
+from .eigenvalue import eigenvalue_settings
 
 
 DeepSpeedConfigError = ConfigError  # DeepSpeed's name; what a bad config raises here (a ValueError)
@@ -35,6 +36,7 @@ class DeepSpeedConfig:
             self.world_size = get_world_size() if is_initialized() else 1
         self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = \
             self.config.resolve_batch(self.world_size)
+        self.__dict__.update(eigenvalue_settings(self._param_dict))  # eigenvalue_enabled, ... (eigenvalue.py)
 
     def _configure_train_batch_size(self) -> None:
         """Re-derive the batch triple from the three attributes as they are now (None: not given), as
