@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, model_validator
 
-from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
+from .base import MAX_ELEMENTS, ConfigModel, Int, built_directly, field_extra, option, rule_errors
 from .errors import ConfigDeprecationWarning
 from .messages import join_path
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
@@ -219,7 +219,12 @@ class ZeroConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "ZeroConfig":
+    def _check_rules(self, info: ValidationInfo) -> "ZeroConfig":
+        # A section built by its class alone (DeepSpeed's DeepSpeedZeroConfig(cpu_offload_param=True), stage
+        # left at its default 0) is checked key by key, as DeepSpeed checks it; the combinations below are
+        # checked when the config is loaded (load_config, initialize) and at each later assignment.
+        if built_directly(info):
+            return self
         problems = list(_offload_rules(self)) + list(_stage_rules(self))
         if problems:
             raise rule_errors(problems)
