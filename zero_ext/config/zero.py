@@ -147,8 +147,11 @@ class ZeroConfig(ConfigModel):
         "the node (same values, fewer bytes across nodes). Needs mics_shard_size spanning whole nodes.",
         stage3_only=True)
     memory_efficient_linear: bool = option(
-        True, "zero.Init swaps F.linear for a variant that keeps no gathered weight for "
-        "backward.", stage3_only=True)
+        True, "Accepted, true or false: zero_ext never patches F.linear, and its hooks free gathered weights "
+        "after each module's forward either way (autograd keeps no gathered weight for backward).",
+        stage3_only=True,
+        ds_note="DeepSpeed's zero.Init swaps F.linear for a variant that saves no gathered weight for backward "
+        "(true); false leaves torch's F.linear, as zero_ext always does.")
     pipeline_loading_checkpoint: bool = option(
         False, "Stage 3: the ranks of a host load a checkpoint one after another (local-rank order), "
         "each freeing its files before the next starts: one rank's files in host memory at a time.")
