@@ -137,3 +137,21 @@ def test_a_library_section_on_deepspeeds_config_base_class(ds, caplog):
     with pytest.raises(ValidationError):
         Retrieval(strict=True, top_k="auto")
     assert get_scalar_param({"a": 1}, "a", 0) == 1 and get_scalar_param({}, "a", 0) == 0
+
+
+def test_a_section_built_alone_is_checked_key_by_key_and_its_combinations_when_loaded(ds):
+    # DeepSpeed builds the section without a stage (0) next to stage-3-only keys; the combination is refused
+    # where the config is used: by load_config (initialize) and by a later assignment to the section.
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from zero_ext.config import ConfigDeprecationWarning, ConfigError, load_config
+
+    with pytest.warns(ConfigDeprecationWarning):
+        z = DeepSpeedZeroConfig(**{"cpu_offload_param": True})
+    assert z.stage == 0 and z.offload_param.device == "cpu"
+    with pytest.raises(ConfigError, match="parameter offload needs ZeRO stage 3"):
+        z.overlap_comm = True
+    z.stage = 3
+    assert z.stage == 3
+    with pytest.raises(ConfigError, match="parameter offload needs ZeRO stage 3"):
+        load_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "cpu"}}})

@@ -26,6 +26,12 @@ from .errors import ConfigError
 _ASSIGNING: ContextVar[bool] = ContextVar("zero_ext_config_assigning", default=False)
 
 
+def built_directly(info: ValidationInfo) -> bool:
+    """True while a section is built by its class (``DeepSpeedZeroConfig(**section)``), not by load_config
+    (which validates with a context) nor by an assignment to one of its fields."""
+    return info.context is None and not _ASSIGNING.get()
+
+
 class ConfigModel(BaseModel):
     """Base of every config section: unknown keys rejected, assignments re-validated."""
 
@@ -43,7 +49,7 @@ class ConfigModel(BaseModel):
         # its aliases, deprecated keys and "auto" then as load_config does, by the same walk. load_config
         # has walked already and validates with a context, assignments pass the model's own (canonical)
         # fields: neither is walked again.
-        if info.context is None and isinstance(data, dict) and data and not _ASSIGNING.get():
+        if built_directly(info) and isinstance(data, dict) and data:
             return _walked(cls, data)
         return data
 

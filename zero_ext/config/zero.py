@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, model_validator
 
-from .base import MAX_ELEMENTS, ConfigModel, Int, field_extra, option, rule_errors
+from .base import MAX_ELEMENTS, ConfigModel, Int, built_directly, field_extra, option, rule_errors
 from .errors import ConfigDeprecationWarning
 from .messages import join_path
 from .offload import OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig
@@ -147,8 +147,11 @@ class ZeroConfig(ConfigModel):
         "the node (same values, fewer bytes across nodes). Needs mics_shard_size spanning whole nodes.",
         stage3_only=True)
     memory_efficient_linear: bool = option(
-        True, "zero.Init swaps F.linear for a variant that keeps no gathered weight for "
-        "backward.", stage3_only=True)
+        True, "Accepted, true or false: zero_ext never patches F.linear, and its hooks free gathered weights "
+        "after each module's forward either way (autograd keeps no gathered weight for backward).",
+        stage3_only=True,
+        ds_note="DeepSpeed's zero.Init swaps F.linear for a variant that saves no gathered weight for backward "
+        "(true); false leaves torch's F.linear, as zero_ext always does.")
     pipeline_loading_checkpoint: bool = option(
         False, "Stage 3: the ranks of a host load a checkpoint one after another (local-rank order), "
         "each freeing its files before the next starts: one rank's files in host memory at a time.")
@@ -219,7 +222,12 @@ class ZeroConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "ZeroConfig":
+    def _check_rules(self, info: ValidationInfo) -> "ZeroConfig":
+        # A section built by its class alone (DeepSpeed's DeepSpeedZeroConfig(cpu_offload_param=True), stage
+        # left at its default 0) is checked key by key, as DeepSpeed checks it; the combinations below are
+        # checked when the config is loaded (load_config, initialize) and at each later assignment.
+        if built_directly(info):
+            return self
         problems = list(_offload_rules(self)) + list(_stage_rules(self))
         if problems:
             raise rule_errors(problems)

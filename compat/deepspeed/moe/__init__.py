@@ -1,2 +1,2 @@
-"""``deepspeed.moe``: only ``deepspeed.moe.utils``'s optimizer-group splitter (zero_ext has no MoE layer)."""
-from . import utils  # noqa: F401
+"""``deepspeed.moe``: ``deepspeed.moe.utils``'s optimizer-group splitter; ``layer.MoE`` refuses (zero_ext has no MoE layer)."""
+from . import layer, utils  # noqa: F401
