@@ -173,7 +173,7 @@ DEVIATIONS = [
      "Deterministic, and the same bits on CPU and GPU; the iteration is cheap next to the step."),
     ("Muon with fp16",
      "Accepted; the orthogonalized update is then divided by the loss scale.",
-     "Error at load.",
+     "Error at load, unless fp16.loss_scale is a static 1 (nothing is scaled, so both agree).",
      "The update would shrink with the loss scale: silently wrong training."),
     ("legacy allgather_size without the legacy boolean zero_optimization",
      "Silently unused.",

@@ -192,9 +192,12 @@ class DeepSpeedConfig(ConfigModel):
             problems.append(("optimizer.type", self.optimizer.type,
                              "is not compatible with ZeRO (stage >= 1); DeepSpeed refuses it "
                              "too"))
-        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled:
+        # a static loss_scale of 1 scales nothing, so DeepSpeed's division of the update by it is exact
+        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled \
+                and self.fp16.loss_scale != 1.0:
             problems.append(("optimizer.type", "muon", "Muon with fp16 loss scaling is not supported (the "
-                             "orthogonalized update does not scale with the loss); use bf16 or fp32"))
+                             "orthogonalized update does not scale with the loss); use bf16 or fp32, or fp16 "
+                             "with a static fp16.loss_scale of 1"))
         if self.optimizer is not None and self.optimizer.type == "adagrad":
             oc = self.zero_optimization.offload_optimizer
             offloaded = oc is not None and oc.device != "none" and self.zero_optimization.stage > 0

@@ -6,11 +6,16 @@ per group, ``FlatGroup.acc_grad``), so isinstance answers for it."""
 from zero_ext.optim.zero_optimizer import ZeroOptimizer as _ZeroOptimizer
 
 
+def is_bf16_optimizer(obj) -> bool:
+    """Whether DeepSpeed would have built its BF16_Optimizer where zero_ext built ``obj``."""
+    return (isinstance(obj, _ZeroOptimizer) and obj.stage == 1 and bool(obj.flat_groups)
+            and all(g.acc_grad is not None and not g.offloaded for g in obj.flat_groups))
+
+
 class _AccumulatesInFp32(type):
 
     def __instancecheck__(cls, obj):
-        return (isinstance(obj, _ZeroOptimizer) and obj.stage == 1 and bool(obj.flat_groups)
-                and all(g.acc_grad is not None and not g.offloaded for g in obj.flat_groups))
+        return is_bf16_optimizer(obj)
 
 
 class BF16_Optimizer(metaclass=_AccumulatesInFp32):  # noqa: N801 (DeepSpeed's name)
