@@ -137,3 +137,12 @@ def test_a_library_section_on_deepspeeds_config_base_class(ds, caplog):
     with pytest.raises(ValidationError):
         Retrieval(strict=True, top_k="auto")
     assert get_scalar_param({"a": 1}, "a", 0) == 1 and get_scalar_param({}, "a", 0) == 0
+
+
+def test_offload_sections_are_importable_from_offload_config_too(ds):
+    # DeepSpeed defines them in runtime/zero/offload_config.py (its tests import them there: ratio, ...)
+    from deepspeed.runtime.zero import config, offload_config
+
+    assert offload_config.DeepSpeedZeroOffloadOptimizerConfig is config.DeepSpeedZeroOffloadOptimizerConfig
+    assert offload_config.DeepSpeedZeroOffloadParamConfig is config.DeepSpeedZeroOffloadParamConfig
+    assert offload_config.DeepSpeedZeroOffloadOptimizerConfig(ratio=0.3).ratio == 0.3
