@@ -4,7 +4,8 @@ engines (2 gloo ranks):
 - engine.allreduce_gradients(): averages this step's gradients now, at the accumulation boundary only
   (before it, stages 0/1 have nothing reduced yet and it does nothing);
 - param.ds_summary() on a ZeRO-3 parameter (gone once the parameter is made whole again);
-- optimizer._global_grad_norm: DeepSpeed's name of the last step's gradient norm.
+- optimizer._global_grad_norm: DeepSpeed's name of the last step's gradient norm;
+- optimizer._get_norm_groups(): each flat group's gradient norm over the ranks, following safe_set_* changes.
 """
 import pytest
 import torch
@@ -74,3 +75,26 @@ def test_ds_summary_describes_a_partitioned_parameter():
         assert (summary["status"], summary["ds_shape"], summary["ds_numel"]) == ("NOT_AVAILABLE", (5, 3), 15)
         assert summary["ds_tensor.shape"] == (8,) and summary["numel"] == 0
         assert not left
+
+
+def _norm_groups(stage):
+    from zero_ext.utils import safe_get_full_grad, safe_get_local_grad, safe_set_local_grad
+
+    engine, opt, model = _engine(stage, gas=1)
+    engine.backward(model.loss(MLP.batch(2, torch.Generator().manual_seed(10 + torch.distributed.get_rank()))))
+    params = [p for g in opt.flat_groups for p in g.params]
+    want = torch.stack([safe_get_full_grad(p).double().norm() for p in params]).norm().item()
+    got = torch.stack(opt._get_norm_groups()).norm().item()
+    first = params[0]
+    safe_set_local_grad(first, torch.zeros_like(safe_get_local_grad(first)))  # (each rank its fragment)
+    rest = torch.stack([safe_get_full_grad(p).double().norm() for p in params[1:]]).norm().item()
+    after = torch.stack(opt._get_norm_groups()).norm().item()
+    engine.destroy()
+    return len(opt.flat_groups), want, got, rest, after
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_norm_groups_combine_to_the_global_gradient_norm(stage):
+    for groups, want, got, rest, after in run_ranks(2, _norm_groups, stage):
+        assert groups >= 1 and want > rest > 0
+        assert abs(got - want) <= 1e-5 * want and abs(after - rest) <= 1e-5 * want
