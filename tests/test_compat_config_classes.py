@@ -155,3 +155,12 @@ def test_a_section_built_alone_is_checked_key_by_key_and_its_combinations_when_l
     assert z.stage == 3
     with pytest.raises(ConfigError, match="parameter offload needs ZeRO stage 3"):
         load_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "cpu"}}})
+
+
+def test_offload_sections_are_importable_from_offload_config_too(ds):
+    # DeepSpeed defines them in runtime/zero/offload_config.py (its tests import them there: ratio, ...)
+    from deepspeed.runtime.zero import config, offload_config
+
+    assert offload_config.DeepSpeedZeroOffloadOptimizerConfig is config.DeepSpeedZeroOffloadOptimizerConfig
+    assert offload_config.DeepSpeedZeroOffloadParamConfig is config.DeepSpeedZeroOffloadParamConfig
+    assert offload_config.DeepSpeedZeroOffloadOptimizerConfig(ratio=0.3).ratio == 0.3

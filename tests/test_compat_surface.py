@@ -200,6 +200,8 @@ def test_accelerator_dtypes_memory_and_cpu_device_count(ds, monkeypatch):
         monkeypatch.delenv("LOCAL_WORLD_SIZE")
         monkeypatch.delenv("LOCAL_SIZE", raising=False)
         assert acc.device_count() == 1
+    # what current_device() answers is a device torch takes: tensors made on it live where the engine computes
+    assert torch.zeros(1, device=acc.current_device()).device == torch.device(acc.current_device_name())
 
 
 def _groups_and_gather():
@@ -306,24 +308,31 @@ def test_build_info_and_which_ops_exist(ds, tmp_path):
     assert "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock" in DEFAULT_LEAF_MODULE_CLASSES
 
 
-def _optimizer_classes(stage):
+def _optimizer_classes(stage, fp32_accumulation=False):
     import deepspeed
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+    extra = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}} if fp32_accumulation else {}
     engine, opt, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config={
         "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage},
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}})
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}}, **extra})
     out = (isinstance(opt, DeepSpeedZeroOptimizer), isinstance(opt, DeepSpeedZeroOptimizer_Stage3),
-           isinstance(torch.zeros(1), DeepSpeedZeroOptimizer))
+           isinstance(opt, BF16_Optimizer), isinstance(torch.zeros(1), DeepSpeedZeroOptimizer))
     engine.destroy()
     return out
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_optimizer_classes_match_by_stage(ds, stage):
-    [(zero12, zero3, other)] = run_ranks(1, _with_compat, _optimizer_classes, stage)
-    assert (zero12, zero3, other) == (stage in (1, 2), stage == 3, False)
+    [(zero12, zero3, bf16, other)] = run_ranks(1, _with_compat, _optimizer_classes, stage)
+    assert (zero12, zero3, bf16, other) == (stage in (1, 2), stage == 3, False, False)
+
+
+def test_bf16_at_stage_1_accumulating_in_fp32_is_deepspeeds_bf16_optimizer(ds):
+    [(zero12, zero3, bf16, _)] = run_ranks(1, _with_compat, _optimizer_classes, 1, True)
+    assert (zero12, zero3, bf16) == (False, False, True)  # (DeepSpeed's BF16_Optimizer is not its ZeRO-1/2 class)
 
 
 def _with_compat(fn, *args):

@@ -30,7 +30,7 @@ def _close(got, want, lr=LR):
 # -- gradient_allreduce_op "sum" --------------------------------------------------------------------------
 
 
-def _sum_run(stage, op):
+def _sum_run(stage, op, **extra):
     import zero_ext
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -38,7 +38,7 @@ def _sum_run(stage, op):
     model = MLP()
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "gradient_allreduce_op": op,
               "zero_allow_untested_optimizer": True,
-              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}}
+              "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": stage}, **extra}
     engine, *_ = zero_ext.initialize(model=model, config=config)
     for step in _batches(world):
         engine.backward(engine.module.loss(step[rank]))
@@ -64,6 +64,18 @@ def test_sum_adds_the_ranks_gradients(stage):
     got = run_ranks(2, _sum_run, stage, "sum")[0]
     assert _close(got, _sgd_reference(2, summed=True))
     assert not _close(got, _sgd_reference(2, summed=False))  # (the test can tell sum from mean)
+
+
+@pytest.mark.parametrize("stage, scaling", [(0, {"gradient_predivide_factor": 2.0}), (1, {"prescale_gradients": True})])
+def test_sum_ignores_the_mean_scaling_keys_with_a_warning(stage, scaling):
+    """A config written for "mean" keeps its prescale / predivide keys when switched to "sum": they load
+    (as in DeepSpeed), are named in a warning, and change nothing: the gradients are still added up."""
+    from zero_ext.config import load_config
+
+    with pytest.warns(UserWarning, match=f'{next(iter(scaling))} = .* has no effect with gradient_allreduce_op "sum"'):
+        load_config({"train_batch_size": 2, "gradient_allreduce_op": "sum", **scaling})
+    got = run_ranks(2, _sum_run, stage, "sum", **scaling)[0]
+    assert _close(got, _sgd_reference(2, summed=True))
 
 
 def test_mean_is_still_the_default_average():

@@ -81,7 +81,7 @@ def _reference(world):
 
 # -- the engine ---------------------------------------------------------------------------------------------
 
-def _engine_run(stage, ns_method):
+def _engine_run(stage, ns_method, **extra):
     import zero_ext
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -89,7 +89,8 @@ def _engine_run(stage, ns_method):
     model = MuonNet()
     zero = {"stage": stage, "reduce_bucket_size": 64, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0, "zero_optimization": zero,
-              "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": WD, "ns_method": ns_method}}}
+              "optimizer": {"type": "Muon", "params": {"lr": LR, "weight_decay": WD, "ns_method": ns_method}},
+              **extra}
     engine, opt, *_ = zero_ext.initialize(model=model, config=config)
     for step in _batches(world):
         engine.backward(engine.module.loss(step[rank]))
@@ -129,6 +130,13 @@ def test_gram_newton_schulz_is_the_same_iteration():
     assert _close(got, _reference(2)[0], 1e-4)
 
 
+def test_fp16_with_a_static_loss_scale_of_one_trains_like_the_reference():
+    # nothing is scaled, so there is no loss scale for the update to be divided by: accepted (as DeepSpeed
+    # does); fp16 parameters round each step, hence the looser bound
+    got, _, _ = run_ranks(2, _engine_run, 2, "standard", fp16={"enabled": True, "loss_scale": 1.0})[0]
+    assert _close(got, _reference(2)[0], 5e-3)
+
+
 def test_muon_config_is_checked():
     from zero_ext.config import ConfigError, load_config
 
@@ -136,6 +144,9 @@ def test_muon_config_is_checked():
         load_config({"optimizer": {"type": "Muon", "params": {"ns_method": "svd"}}})
     with pytest.raises(ConfigError, match="fp16"):
         load_config({"optimizer": {"type": "Muon"}, "fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="fp16"):
+        load_config({"optimizer": {"type": "Muon"}, "fp16": {"enabled": True, "loss_scale": 128}})
+    assert load_config({"optimizer": {"type": "Muon"}, "fp16": {"enabled": True, "loss_scale": 1}}).fp16.enabled
     cfg = load_config({"optimizer": {"type": "muon", "params": {"muon_lr": 0.05, "adam_lr": 1e-3}}})
     assert cfg.optimizer.type == "muon"
 

@@ -248,11 +248,13 @@ def _reuse(distance):
 
 def test_max_reuse_distance_keeps_a_parameter_used_twice_gathered():
     # fetches of a step: a, b, a (forward), a, b, a (backward: second call first). The recording step
-    # gathers a at each of its four fetches; afterwards
-    # - distance 0: a is kept only from its second forward to its backward right after (3 gathers);
-    # - distance 36 (b's size): a is kept across b every time (1 gather), b is not across two a's (2);
+    # gathers a at each of its four fetches; afterwards a parameter is kept when fewer than the distance's
+    # elements are fetched before its next use (DeepSpeed's count):
+    # - distance 0: nothing is kept (a: 4 gathers, b: 2);
+    # - distance 36 (b's size): a only from its second forward to its backward right after (3 gathers);
+    # - distance 37: a is kept across b every time (1 gather), b is not across two a's (2);
     # - unlimited: everything is kept until it is used again.
-    expected = {0: (3, 2), 36: (1, 2), 10 ** 9: (1, 1)}
+    expected = {0: (4, 2), 36: (3, 2), 37: (1, 2), 10 ** 9: (1, 1)}
     for distance, (a, b) in expected.items():
         for counts, exact, grads_differ in run_ranks(2, _reuse, distance, timeout=60):
             assert counts[0] == (4, 2), distance

@@ -325,6 +325,14 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         self._boundary_override = is_boundary
 
+    def allreduce_gradients(self, bucket_size=None) -> None:
+        """DeepSpeed's: average this step's gradients across the ranks now rather than in step() (then read
+        them, e.g. ``optimizer.averaged_gradients``). Only at the accumulation boundary, as DeepSpeed does:
+        stages 0/1 reduce there only, stages 2/3 have reduced each backward's gradients by its end.
+        ``bucket_size``: accepted; ``reduce_bucket_size`` sizes the reduction."""
+        if self.is_gradient_accumulation_boundary():
+            self.gradients("engine.allreduce_gradients()")
+
     def step(self, lr_kwargs=None) -> None:
         """One micro step; at the accumulation boundary also the optimizer step."""
         steps = self.global_steps

@@ -49,7 +49,9 @@ class Accelerator:
         return f"cuda:{torch.cuda.current_device()}"
 
     def current_device(self):
-        return torch.cuda.current_device() if self._name == "cuda" else 0
+        # CPU: the device itself, which torch takes wherever a device goes (an index 0 would mean cuda:0;
+        # DeepSpeed's CPU accelerator answers the LOCAL_RANK string, which torch takes nowhere)
+        return torch.cuda.current_device() if self._name == "cuda" else "cpu"
 
     def device(self, device_index: Optional[int] = None) -> torch.device:
         return torch.device(self.device_name(device_index))

@@ -21,8 +21,19 @@ import sys
 import warnings
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 
+class _Missing:
+    """The type of MISSING. Pickles as that one instance: a ConfigError holding it crosses process
+    boundaries (a worker's exception sent back to its pool) and stays ``is MISSING`` there."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+
 #: Marks "no value was given" (a missing key), as opposed to an explicit null.
-MISSING: Any = type("Missing", (), {"__repr__": lambda self: "<missing>"})()
+MISSING: Any = _Missing()
 
 
 class ConfigWarning(UserWarning):
@@ -72,10 +83,21 @@ class ConfigError(ValueError, AssertionError):
         lines += ["  - " + p.render() for p in self.problems]
         return "\n".join(lines)
 
+    def __reduce__(self):
+        # rebuilt from its problems (not from the rendered message, which would be rendered again)
+        return (_rebuild_config_error, (type(self), self.problems), self.__dict__)
+
     @property
     def paths(self) -> List[str]:
         """The key paths named by the problems (handy in tests and tools)."""
         return [p.path for p in self.problems]
+
+
+def _rebuild_config_error(cls, problems):
+    error = cls.__new__(cls)
+    error.problems = list(problems)
+    Exception.__init__(error, error._render())
+    return error
 
 
 class UnimplementedFeatureError(ConfigError):

@@ -16,6 +16,7 @@ from pydantic import PrivateAttr, field_validator, model_validator
 from . import batch
 from .aio import AioConfig
 from .base import ConfigModel, Float, Int, lower_str, option, rule_errors
+from .errors import warn
 from .optim_params import adagrad_rules
 from .optimizer import NOT_WITH_ZERO, OptimizerConfig
 from .precision import BF16Config, DataTypesConfig, FP16Config
@@ -185,14 +186,18 @@ class DeepSpeedConfig(ConfigModel):
     @model_validator(mode="after")
     def _check_rules(self) -> "DeepSpeedConfig":
         problems = list(_precision_rules(self)) + list(_reduction_rules(self))
+        _warn_unused_with_sum(self)
         if self.optimizer is not None and self.optimizer.type in NOT_WITH_ZERO \
                 and self.zero_optimization.stage > 0:
             problems.append(("optimizer.type", self.optimizer.type,
                              "is not compatible with ZeRO (stage >= 1); DeepSpeed refuses it "
                              "too"))
-        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled:
+        # a static loss_scale of 1 scales nothing, so DeepSpeed's division of the update by it is exact
+        if self.optimizer is not None and self.optimizer.type == "muon" and self.fp16.enabled \
+                and self.fp16.loss_scale != 1.0:
             problems.append(("optimizer.type", "muon", "Muon with fp16 loss scaling is not supported (the "
-                             "orthogonalized update does not scale with the loss); use bf16 or fp32"))
+                             "orthogonalized update does not scale with the loss); use bf16 or fp32, or fp16 "
+                             "with a static fp16.loss_scale of 1"))
         if self.optimizer is not None and self.optimizer.type == "adagrad":
             oc = self.zero_optimization.offload_optimizer
             offloaded = oc is not None and oc.device != "none" and self.zero_optimization.stage > 0
@@ -290,6 +295,19 @@ def _precision_rules(cfg: DeepSpeedConfig):
             yield (f"{section}.{key}", True, "needs ZeRO stage 1, 2 or 3 (stage is 0)")
 
 
+def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:
+    """gradient_allreduce_op "sum" adds the ranks' gradients up and never divides them, so
+    prescale_gradients / gradient_predivide_factor do nothing there; DeepSpeed accepts them silently
+    (configs written for "mean" keep them), zero_ext accepts them and says they are unused."""
+    if cfg.gradient_allreduce_op != "sum":
+        return
+    for key, unused in (("prescale_gradients", cfg.prescale_gradients),
+                        ("gradient_predivide_factor", cfg.gradient_predivide_factor != 1.0)):
+        if unused:
+            warn(f'{key} = {getattr(cfg, key)!r} has no effect with gradient_allreduce_op "sum" (the gradients '
+                 "are added up, never divided); it is ignored")
+
+
 def _reduction_rules(cfg: DeepSpeedConfig):
     zero = cfg.zero_optimization
     if cfg.gradient_allreduce_op == "sum":
@@ -299,10 +317,6 @@ def _reduction_rules(cfg: DeepSpeedConfig):
             yield ("gradient_allreduce_op", "sum", 'is not supported with ZenFlow; use "mean"')
         if cfg.compile.deepcompile:
             yield ("gradient_allreduce_op", "sum", 'is not supported with DeepCompile; use "mean"')
-        if cfg.prescale_gradients or cfg.gradient_predivide_factor != 1.0:
-            key = "prescale_gradients" if cfg.prescale_gradients else "gradient_predivide_factor"
-            yield (key, getattr(cfg, key), 'has no effect with gradient_allreduce_op "sum" (the '
-                   "gradients are added up, never divided); remove it")
     if zero.stage >= 2 and zero.reduce_scatter:
         if cfg.gradient_predivide_factor != 1.0:
             yield ("gradient_predivide_factor", cfg.gradient_predivide_factor,

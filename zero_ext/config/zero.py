@@ -92,8 +92,8 @@ class ZeroConfig(ConfigModel):
         1_000_000_000, "Cap on gathered parameter elements held at once.", ge=0, le=MAX_ELEMENTS,
         aliases=("stage3_max_live_parameters",), stage3_only=True)
     max_reuse_distance: Int = option(
-        1_000_000_000, "Keep a gathered parameter if it is used again within this many "
-        "elements of upcoming fetches.", ge=0, le=MAX_ELEMENTS,
+        1_000_000_000, "Keep a gathered parameter if it is used again after fewer than this many "
+        "elements of upcoming fetches (0 keeps nothing).", ge=0, le=MAX_ELEMENTS,
         aliases=("stage3_max_reuse_distance",),
         stage3_only=True)
     gather_16bit_weights_on_model_save: bool = option(

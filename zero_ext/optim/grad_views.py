@@ -5,6 +5,7 @@ partitions (a mixin of ZeroOptimizer): what DeepSpeed's unit tests and libraries
   the group's partition]}. Stages 0-2: one tensor per parameter fragment inside this rank's partition of
   the param group, in order (DeepSpeed's ``params_in_partition``); stage 3: one per parameter of each
   sub-group, its piece (``ds_tensor``'s size, padding included).
+- ``_get_norm_groups()``: each flat group's gradient norm over every rank (what the global norm combines).
 - ``get_fp32_grad_partitions()`` (stage 3, as in DeepSpeed): {sub-group index: {parameter index in
   the sub-group: its fp32 gradient piece}}.
 
@@ -16,6 +17,9 @@ reduction that step() would have run (the values are then averaged over the rank
 from typing import Callable, Dict, List, Optional
 
 import torch
+
+from .. import comm
+from ..ops.functional import grad_sqnorm
 
 
 class GradientViews:
@@ -40,6 +44,22 @@ class GradientViews:
             else:  # stage 3: each parameter's piece, back to back
                 out[k] = [g.grad[off:off + s] for off, s in zip(g.offsets, g.shards)]
         return out
+
+    def _get_norm_groups(self) -> List[torch.Tensor]:
+        """DeepSpeed's: the L2 norm over every rank of each flat group's averaged gradient (stage 3: each
+        sub-group's), still loss-scaled as before the step; combined they are the global norm the step
+        clips with, and a gradient changed by safe_set_* shows in them. Collective (data-parallel)."""
+        if self.model_parallel is not None:
+            raise NotImplementedError("ZeroOptimizer._get_norm_groups: not with a model-parallel mpu (a "
+                                      "parameter's norm would count once per model-parallel rank); use "
+                                      "engine.get_global_grad_norm() after the step")
+        self._read_gradients("ZeroOptimizer._get_norm_groups")
+        device = self._device()
+        sq = torch.stack([torch.tensor(grad_sqnorm(g.grad), dtype=torch.float64) if g.grad.is_cpu
+                          else g.grad_sq_norm() for g in self.flat_groups]).to(device)
+        if self.stage >= 1 and self.world > 1:
+            comm.all_reduce(sq, group=self.pg)
+        return list(sq.sqrt().float().unbind())
 
     def get_fp32_grad_partitions(self) -> Dict[int, Dict[int, torch.Tensor]]:
         """Stage 3: {sub-group: {parameter index: its fp32 gradient piece}} (DeepSpeed's). Collective."""

@@ -61,6 +61,11 @@ class ZeroOptimizer(GradientViews):
         self._places = {id(p): (gi, i) for gi, g in enumerate(self.flat_groups) for i, p in enumerate(g.params)}
 
     @property
+    def _global_grad_norm(self) -> Optional[float]:
+        """DeepSpeed's name of global_grad_norm (its tests and some training loops read it)."""
+        return self.global_grad_norm
+
+    @property
     def cur_scale(self) -> float:
         """The current loss scale (1 without fp16)."""
         return self.loss_scaler.cur_scale

@@ -18,8 +18,8 @@ trace is COMPLETE (status.TraceState), else it is recorded again. Along a comple
   ``prefetch_bucket_size`` elements not yet used, refilled once less than half of that is left, and
   never past ``max_live_parameters`` gathered elements (GatherMeter.live). The walk stops at the first
   event that does not fit, so what is in flight is always for the events just ahead;
-- a module's release keeps a parameter gathered when the trace uses it again within
-  ``max_reuse_distance`` elements of fetches, if the gathered total stays within
+- a module's release keeps a parameter gathered when the trace uses it again after fewer than
+  ``max_reuse_distance`` elements of fetches (0 keeps nothing), if the gathered total stays within
   ``max_live_parameters``; such kept parameters are the first given up when an on-demand gather
   would pass the limit. A module whose own parameters exceed the limit is still gathered: the live
   set is at most max(max_live_parameters, what the running module calls hold);
@@ -480,7 +480,8 @@ class PrefetchCoordinator(StreamedForwards):
             r, later = reuse.get(id(zp)), 0
             if r is None:
                 r, later = wrapped.get(id(zp)), n  # used next in the next repetition
-            if r is not None and r.distance <= self.max_reuse and after + zp.numel <= self.max_live:
+            # strictly fewer elements in between, as DeepSpeed counts: max_reuse_distance 0 keeps nothing
+            if r is not None and r.distance < self.max_reuse and after + zp.numel <= self.max_live:
                 zp.hold(hold)
                 retained[zp] = r.index + later
                 after += zp.numel

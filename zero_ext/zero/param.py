@@ -163,6 +163,7 @@ class ZeroParam:
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
         param.ds_active_sub_modules = ActiveSubModules(self)
+        param.ds_summary = self.summary  # DeepSpeed's param.ds_summary(), for assertion messages and bug reports
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
         _BY_DS_ID[ds_id] = self
         self._publish()
@@ -358,7 +359,7 @@ class ZeroParam:
         if self._padded is not None:
             self._free_storage()
         for name in ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist", "ds_process_group",
-                     "_zero_owner", "__deepcopy__", "ds_active_sub_modules"):
+                     "_zero_owner", "__deepcopy__", "ds_active_sub_modules", "ds_summary"):
             p.__dict__.pop(name, None)
         _BY_DS_ID.pop(self.ds_id, None)
         self.status = ZeroParamStatus.NOT_AVAILABLE

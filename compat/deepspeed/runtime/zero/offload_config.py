@@ -1,2 +1,4 @@
 """``deepspeed.runtime.zero.offload_config``."""
-from zero_ext.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum  # noqa: F401
+from zero_ext.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,  # noqa: F401
+                                                  DeepSpeedZeroOffloadParamConfig, OffloadDeviceEnum,
+                                                  OffloadStateTypeEnum)

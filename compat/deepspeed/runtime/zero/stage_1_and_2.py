@@ -10,7 +10,9 @@ class _OfStages(type):
     (zero_ext has one optimizer class for every stage; DeepSpeed has one per stage family)."""
 
     def __instancecheck__(cls, obj):
-        return isinstance(obj, _ZeroOptimizer) and obj.stage in cls.stages
+        from ..bf16_optimizer import is_bf16_optimizer  # (DeepSpeed's other class for one stage 1 case)
+
+        return isinstance(obj, _ZeroOptimizer) and obj.stage in cls.stages and not is_bf16_optimizer(obj)
 
 
 class DeepSpeedZeroOptimizer(metaclass=_OfStages):
