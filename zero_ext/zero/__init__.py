@@ -28,7 +28,8 @@ Files, one noun each (docs/zero3.md has the design):
   meter.py: GatherMeter, the elements gathered now and at most.
 - external.py: external parameters; gathered.py: GatheredParameters; generation.py: ``generation``, the
   whole model gathered for generation after a memory check; ds_surface.py: DeepSpeed's hook surface
-  (``parameter_offload``, ``ds_external_parameters``) that TRL uses; leaf.py: leaf modules;
+  (``parameter_offload``, ``ds_external_parameters``) that TRL uses; ds_param_methods.py: DeepSpeed's
+  ``param.all_gather()`` / ``all_gather_coalesced()`` / ``partition()`` and their handles; leaf.py: leaf modules;
   tiling.py: TiledLinear, TiledLinearReturnBias; unpartition.py: ``unpartition``.
 - tree.py: tensors inside a module's inputs and outputs; internal.py: zero_ext's own tensor work,
   hidden from its TorchFunctionModes.

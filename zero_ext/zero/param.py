@@ -164,6 +164,9 @@ class ZeroParam:
         param._zero_owner = self
         param.ds_active_sub_modules = ActiveSubModules(self)
         param.ds_summary = self.summary  # DeepSpeed's param.ds_summary(), for assertion messages and bug reports
+        # DeepSpeed's gathering by hand (ds_param_methods.py)
+        param.all_gather, param.partition = self.ds_all_gather, self.ds_partition
+        param.all_gather_coalesced = self.ds_all_gather_coalesced
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
         _BY_DS_ID[ds_id] = self
         self._publish()
@@ -359,7 +362,8 @@ class ZeroParam:
         if self._padded is not None:
             self._free_storage()
         for name in ("ds_id", "ds_shape", "ds_numel", "ds_tensor", "ds_status", "ds_persist", "ds_process_group",
-                     "_zero_owner", "__deepcopy__", "ds_active_sub_modules", "ds_summary"):
+                     "_zero_owner", "__deepcopy__", "ds_active_sub_modules", "ds_summary", "all_gather", "partition",
+                     "all_gather_coalesced"):
             p.__dict__.pop(name, None)
         _BY_DS_ID.pop(self.ds_id, None)
         self.status = ZeroParamStatus.NOT_AVAILABLE
@@ -416,6 +420,18 @@ class ZeroParam:
                           self.compute_device, self.shape)
         owner.name = self.name
         return copy
+
+    def ds_all_gather(self, param_list=None, async_op: bool = False, hierarchy: int = 0):
+        from . import ds_param_methods  # (it imports fetch.py, which imports this module)
+        return ds_param_methods.all_gather(self, param_list, async_op, hierarchy)
+
+    def ds_all_gather_coalesced(self, params, safe_mode: bool = False, quantize: bool = False):
+        from . import ds_param_methods
+        return ds_param_methods.all_gather_coalesced(params, safe_mode, quantize)
+
+    def ds_partition(self, param_list=None, has_been_updated: bool = False, free_data: bool = True) -> None:
+        from . import ds_param_methods
+        ds_param_methods.partition(self, param_list, has_been_updated, free_data)
 
     def summary(self) -> dict:
         """DeepSpeed's ``ds_summary()`` fields, for bug reports."""

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero.partition_parameters``."""
-from zero_ext.runtime.zero.partition_parameters import (GatheredParameters, Init, ZeroParamStatus,  # noqa: F401
+from zero_ext.runtime.zero.partition_parameters import (AllGatherCoalescedHandle, GatheredParameters,  # noqa: F401
+                                                        Init, MultipleAllGatherHandles, ZeroParamStatus,
                                                         _orig_torch_arange, get_accelerator,
                                                         partitioned_param_data_shape, register_external_parameter,
                                                         unregister_external_parameter,
