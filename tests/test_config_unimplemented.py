@@ -19,8 +19,6 @@ CASES = {
         {"zero_optimization": {**Z3, "zeropp_loco_param": {"err_beta": 0.8}}},
         {"err_beta": 0.8}),
     "zero_optimization.zenflow": ({"zero_optimization": {"stage": 2, "zenflow": {}}}, None),
-    "zero_optimization.use_all_reduce_for_fetch_params": (
-        {"zero_optimization": {**Z3, "use_all_reduce_for_fetch_params": True}}, True),
     "zero_optimization.allgather_sequential": (
         {"zero_optimization": {**Z3, "stage3_allgather_sequential": True}}, True),
     "zero_optimization.round_robin_gradients": (

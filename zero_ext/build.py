@@ -243,6 +243,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
         quantized_weights=zc.zero_quantized_weights, hpz=hpz, quantized_frozen=zc.zero_quantized_nontrainable_weights)
     for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
         zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
+        zp.gather_by_all_reduce = zc.use_all_reduce_for_fetch_params  # (zero/collectives.py)
     return zero_model
 
 

@@ -29,7 +29,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "zero_optimization.zeropp_loco_param": "LoCo-ZeRO++ error feedback (DeepSpeed 0.19.8 removed it too: "
                                            "deepspeedai/DeepSpeed#8489)",
     "zero_optimization.zenflow": "ZenFlow",
-    "zero_optimization.use_all_reduce_for_fetch_params": "parameter fetch by all-reduce",
     "zero_optimization.allgather_sequential": "sequential parameter all-gather",
     "zero_optimization.round_robin_gradients": "round-robin gradient partitioning",
     "zero_optimization.load_from_fp32_weights": "master weights from 16-bit checkpoint weights",

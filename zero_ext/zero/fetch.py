@@ -93,7 +93,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
     need = [zp for zp in params if zp.status is ZeroParamStatus.NOT_AVAILABLE]
     issued = 0
     training = site.kind in QUANTIZABLE
-    for (group, _, _, quantized, secondary), bucket in _buckets(need, training).items():
+    for (group, _, _, quantized, secondary, by_all_reduce), bucket in _buckets(need, training).items():
         with internal.section():
             if check:
                 _agree(bucket, site, group, stamp)
@@ -104,7 +104,7 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
                 elif secondary:  # hpZ: within the node, from the copies kept at the forward's release
                     pending = bucket[0].secondary.gather_async(bucket, outputs)
                 else:
-                    pending = _gather_async(bucket, outputs, group, quantized)
+                    pending = _gather_async(bucket, outputs, group, quantized, by_all_reduce)
                     if site.kind in FORWARD_KINDS and bucket[0].secondary is not None:
                         bucket[0].secondary.gathered_for_training(bucket)  # hpZ: copy kept at release
                 gather = _Gather(pending, bucket)
@@ -114,10 +114,14 @@ def issue(params: Sequence[ZeroParam], site: FetchSite, check: bool = True, stam
     return issued
 
 
-def _gather_async(bucket: List[ZeroParam], outputs: List[torch.Tensor], group, quantized: bool):
-    """The all-gather of ``bucket``'s pieces over their group: flat, or in two levels for a MiCS shard
-    group spanning nodes with mics_hierarchical_params_gather (zero/mics.py)."""
+def _gather_async(bucket: List[ZeroParam], outputs: List[torch.Tensor], group, quantized: bool,
+                  by_all_reduce: bool = False):
+    """The all-gather of ``bucket``'s pieces over their group: flat, as an all-reduce of zero-filled
+    blocks (stage3_use_all_reduce_for_fetch_params), or in two levels for a MiCS shard group spanning
+    nodes with mics_hierarchical_params_gather (zero/mics.py)."""
     pieces, numels = [zp.read_piece() for zp in bucket], [zp.numel for zp in bucket]
+    if by_all_reduce:
+        return collectives.all_gather_by_all_reduce_async(pieces, outputs, numels, group)
     layout = mics.of(group)
     if layout is not None and layout.hierarchy is not None and not quantized:
         intra, inter, per_node = layout.hierarchy
@@ -165,12 +169,14 @@ def release(params: Sequence[ZeroParam], holder) -> None:
 def _buckets(params: Sequence[ZeroParam], training: bool) -> Dict[Tuple, List[ZeroParam]]:
     """What one all-gather can carry: same process group, compute device, dtype and, for a fetch of the
     training passes, whether it is quantized (qwZ) or served by the node's secondary copies (hpZ; never
-    quantized: the copies hold the values gathered before). Order kept."""
+    quantized: the copies hold the values gathered before), and whether it runs as an all-reduce
+    (stage3_use_all_reduce_for_fetch_params). Order kept."""
     out: Dict[Tuple, List[ZeroParam]] = {}
     for zp in params:
         secondary = training and zp.secondary is not None and zp.secondary.holds(zp)
         quantized = training and zp.quantized_gathers and not secondary
-        out.setdefault((zp.group, zp.compute_device, zp.dtype, quantized, secondary), []).append(zp)
+        by_all_reduce = zp.gather_by_all_reduce and not (quantized or secondary)
+        out.setdefault((zp.group, zp.compute_device, zp.dtype, quantized, secondary, by_all_reduce), []).append(zp)
     return out
 
 

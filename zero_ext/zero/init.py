@@ -204,7 +204,7 @@ class _InitSession:
         self.group, self.device, self.dtype = init.group, init.device, init.dtype
         self.remote_device, self.pin_memory = init.remote_device, init.pin_memory
         self.nvme = init.nvme  # remote_device "nvme": the pieces go to swap files as they are made
-        self.sanity_checks = init.sanity_checks
+        self.sanity_checks, self.gather_by_all_reduce = init.sanity_checks, init.gather_by_all_reduce
         self.depth = 0  # nested Init contexts inside this one
         self.pending: List[_Pending] = []
         self.materialiser = Materialiser()
@@ -277,7 +277,7 @@ class _InitSession:
         labels = {id(param): label for param, label in ready}
         for zp in converted:
             zp.rename(labels[id(zp.param)])
-            zp.sanity_checks = self.sanity_checks
+            zp.sanity_checks, zp.gather_by_all_reduce = self.sanity_checks, self.gather_by_all_reduce
             if self.nvme is not None:
                 self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
 
@@ -358,7 +358,7 @@ class Init(contextlib.ContextDecorator):
         self.override_module_apply = True
         self.mem_efficient_linear = mem_efficient_linear
         self.nvme = None
-        self.sanity_checks = False
+        self.sanity_checks = self.gather_by_all_reduce = False
         if config_dict_or_path is not None:
             remote_device, pin_memory, dtype = self._read_config(config_dict_or_path, remote_device, pin_memory,
                                                                  dtype)
@@ -377,7 +377,7 @@ class Init(contextlib.ContextDecorator):
         convert.check_single_rank_group(self.group)
         if module is not None:
             for zp in convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device):
-                zp.sanity_checks = self.sanity_checks
+                zp.sanity_checks, zp.gather_by_all_reduce = self.sanity_checks, self.gather_by_all_reduce
 
     def _read_config(self, source, remote_device, pin_memory, dtype):
         cfg = load_config(source)
@@ -389,6 +389,7 @@ class Init(contextlib.ContextDecorator):
             self.nvme = _InitSwap(zc.offload_param, cfg.aio)
         self.override_module_apply = zc.override_module_apply
         self.sanity_checks = zc.enable_sanity_checks
+        self.gather_by_all_reduce = zc.use_all_reduce_for_fetch_params
         self.mem_efficient_linear = zc.memory_efficient_linear
         if dtype is None:
             dtype = torch.bfloat16 if cfg.bf16.enabled else torch.half if cfg.fp16.enabled else torch.float32

@@ -156,6 +156,7 @@ class ZeroParam:
         self.piece_io = None  # offload_param nvme: the piece lives in a swap file (nvme/pieces.py, NVMePieces)
         self.quantized_gathers = False  # ZeRO++ qwZ: forward/backward gathers travel as int8 (fetch.py)
         self.sanity_checks = False  # zero_optimization.enable_sanity_checks: read-only blocks are checked (gathered.py)
+        self.gather_by_all_reduce = False  # stage3_use_all_reduce_for_fetch_params (collectives.py)
         self.secondary = None  # ZeRO++ hpZ: the SecondaryPartition of its ZeroModel (secondary.py), or None
         self.plain_class = type(param)  # while gathered; guarded_class while partitioned (guard.py)
         self.guarded_class = guarded_class(self.plain_class)

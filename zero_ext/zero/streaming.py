@@ -73,7 +73,8 @@ def eligible(params: Sequence, group) -> bool:
     layout = mics.of(group)
     if layout is not None and layout.hierarchy is not None:
         return False
-    return all(zp.compute_device.type == "cpu" and not zp.quantized_gathers and zp.secondary is None
+    return all(zp.compute_device.type == "cpu" and not zp.quantized_gathers and not zp.gather_by_all_reduce
+               and zp.secondary is None
                for zp in params)
 
 

@@ -11,6 +11,7 @@ from ...zero.ds_param_methods import AllGatherCoalescedHandle, MultipleAllGather
 # alone. zero_ext's Init casts only floating-point factory results to its dtype (see zero/init.py) and
 # never calls this name, so the swap has nothing to change: both names exist for that code to run.
 _orig_torch_arange = torch.arange
+_orig_torch_empty = torch.empty  # (the same, for code that swaps torch.empty's DeepSpeed override)
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):

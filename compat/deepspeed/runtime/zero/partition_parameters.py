@@ -1,7 +1,7 @@
 """``deepspeed.runtime.zero.partition_parameters``."""
 from zero_ext.runtime.zero.partition_parameters import (AllGatherCoalescedHandle, GatheredParameters,  # noqa: F401
                                                         Init, MultipleAllGatherHandles, ZeroParamStatus,
-                                                        _orig_torch_arange, get_accelerator,
+                                                        _orig_torch_arange, _orig_torch_empty, get_accelerator,
                                                         partitioned_param_data_shape, register_external_parameter,
                                                         unregister_external_parameter,
                                                         zero_wrapper_for_fp_tensor_constructor)
