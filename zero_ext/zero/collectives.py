@@ -74,12 +74,16 @@ def all_gather_pieces(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Te
 
 
 def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                            numels: Sequence[int], group, quantized: bool = False) -> PendingGather:
+                            numels: Sequence[int], group, quantized: bool = False,
+                            by_all_reduce: bool = False) -> PendingGather:
     """``all_gather_pieces``, issued with ``async_op=True``: the outputs may be read only after the
     returned gather's ``wait()``. Every rank must issue the same gathers in the same order (gloo and
     NCCL match collectives by issue order), however many are outstanding. ``quantized``: ZeRO++ qwZ,
     the pieces travel as int8 and every rank gets their dequantized values (see [Note: quantized
-    all-gather] in quantized_gather.py; one rank has nothing to send and copies exactly)."""
+    all-gather] in quantized_gather.py; one rank has nothing to send and copies exactly).
+    ``by_all_reduce`` (``stage3_use_all_reduce_for_fetch_params``): the same buffer, zero-filled, summed
+    over the ranks by an all-reduce: every other rank adds zeros to a rank's block, so the values are the
+    all-gather's (a -0.0 comes back +0.0, as with DeepSpeed's), for twice the traffic."""
     rank, world = rank_and_world(group)
     if world == 1:
         for piece, out in zip(pieces, outputs):
@@ -87,50 +91,26 @@ def all_gather_pieces_async(pieces: Sequence[torch.Tensor], outputs: Sequence[to
         return PendingGather(None, None)
     if quantized:
         return all_gather_quantized_async(pieces, outputs, group, rank, world, PendingGather)
-    if len(pieces) == 1:
+    if len(pieces) == 1 and not by_all_reduce:
         out = outputs[0]
         own = out.view(world, -1)[rank]
         own.copy_(pieces[0])
         return PendingGather(comm.all_gather_into(out, own, group, async_op=True), None)
     block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
     offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}  # each piece's start in a block
-    buffer = torch.empty(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
+    make = torch.zeros if by_all_reduce else torch.empty
+    buffer = make(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
     blocks = buffer.view(world, block)
     own = blocks[rank]
     for i, piece in enumerate(pieces):
         if i in offsets:
             own[offsets[i]: offsets[i] + piece.numel()].copy_(piece)
-    work = comm.all_gather_into(buffer, own, group, async_op=True)
+    if by_all_reduce:
+        work = comm.all_reduce(buffer, group=group, async_op=True)
+    else:
+        work = comm.all_gather_into(buffer, own, group, async_op=True)
 
     def copy_out():  # after the wait: on CUDA, on the current stream, which now follows the collective
-        for i, out in enumerate(outputs):
-            if i in offsets:
-                size = out.numel() // world
-                out.view(world, size).copy_(blocks[:, offsets[i]: offsets[i] + size])
-    return PendingGather(work, copy_out)
-
-
-def all_gather_by_all_reduce_async(pieces: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                                   numels: Sequence[int], group) -> PendingGather:
-    """``all_gather_pieces_async`` as an all-reduce (``stage3_use_all_reduce_for_fetch_params``): each
-    rank writes its pieces into its own block of a zero-filled buffer laid out as the coalesced gather's,
-    and the sum over the ranks is the gathered buffer, since every other rank adds zeros there. Same
-    values as the all-gather (a -0.0 comes back +0.0, as with DeepSpeed's), for twice the traffic."""
-    rank, world = rank_and_world(group)
-    if world == 1:
-        for piece, out in zip(pieces, outputs):
-            out.copy_(piece)
-        return PendingGather(None, None)
-    block, layout = planner.shard_bucket_pieces(numels, world, range(len(numels)))
-    offsets = {p.param: p.bucket_offset for p in layout if p.rank == 0}
-    buffer = torch.zeros(world * block, dtype=outputs[0].dtype, device=outputs[0].device)
-    blocks = buffer.view(world, block)
-    for i, piece in enumerate(pieces):
-        if i in offsets:
-            blocks[rank, offsets[i]: offsets[i] + piece.numel()].copy_(piece)
-    work = comm.all_reduce(buffer, group=group, async_op=True)
-
-    def copy_out():
         for i, out in enumerate(outputs):
             if i in offsets:
                 size = out.numel() // world

@@ -120,13 +120,11 @@ def _gather_async(bucket: List[ZeroParam], outputs: List[torch.Tensor], group, q
     blocks (stage3_use_all_reduce_for_fetch_params), or in two levels for a MiCS shard group spanning
     nodes with mics_hierarchical_params_gather (zero/mics.py)."""
     pieces, numels = [zp.read_piece() for zp in bucket], [zp.numel for zp in bucket]
-    if by_all_reduce:
-        return collectives.all_gather_by_all_reduce_async(pieces, outputs, numels, group)
     layout = mics.of(group)
-    if layout is not None and layout.hierarchy is not None and not quantized:
+    if layout is not None and layout.hierarchy is not None and not (quantized or by_all_reduce):
         intra, inter, per_node = layout.hierarchy
         return collectives.all_gather_two_level_async(pieces, outputs, numels, intra, inter, per_node)
-    return collectives.all_gather_pieces_async(pieces, outputs, numels, group, quantized)
+    return collectives.all_gather_pieces_async(pieces, outputs, numels, group, quantized, by_all_reduce)
 
 
 def wait_gathered(params: Sequence[ZeroParam]) -> None:
