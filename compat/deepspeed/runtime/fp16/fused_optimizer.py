@@ -6,17 +6,17 @@ import torch
 
 from zero_ext.optim.zero_optimizer import ZeroOptimizer as _ZeroOptimizer
 
-
-class _Stage0LowPrecision(type):
-    def __instancecheck__(cls, obj):
-        return (isinstance(obj, _ZeroOptimizer) and obj.stage == 0
-                and any(g.dtype != torch.float32 for g in obj.flat_groups if g is not None))
+from .._isinstance_only import isinstance_only
 
 
-class FP16_Optimizer(metaclass=_Stage0LowPrecision):
-    """DeepSpeed's stage-0 fp16/bf16 optimizer, for isinstance checks: zero_ext's ZeroOptimizer at stage 0
-    over a 16-bit model."""
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("FP16_Optimizer is built by deepspeed.initialize (zero_ext's ZeroOptimizer at stage 0); "
-                        "it is here for isinstance checks only")
+def _stage0_low_precision(obj) -> bool:
+    return (isinstance(obj, _ZeroOptimizer) and obj.stage == 0
+            and any(g.dtype != torch.float32 for g in obj.flat_groups if g is not None))
+
+
+FP16_Optimizer = isinstance_only(
+    "FP16_Optimizer", __name__, "DeepSpeed's stage-0 fp16/bf16 optimizer, for isinstance checks: zero_ext's "
+    "ZeroOptimizer at stage 0 over a 16-bit model.", _stage0_low_precision,
+    "FP16_Optimizer is built by deepspeed.initialize (zero_ext's ZeroOptimizer at stage 0); it is here for "
+    "isinstance checks only")

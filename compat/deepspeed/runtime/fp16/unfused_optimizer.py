@@ -5,14 +5,10 @@ zero_ext has no second stage-0 path: every optimizer runs in the ZeroOptimizer t
 matches, so nothing is an instance of this class."""
 
 
-class _NeverBuilt(type):
-    def __instancecheck__(cls, obj):
-        return False
+from .._isinstance_only import isinstance_only
 
-
-class FP16_UnfusedOptimizer(metaclass=_NeverBuilt):
-    """DeepSpeed's unfused stage-0 fp16 optimizer: zero_ext never builds one (see the module's note)."""
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError("FP16_UnfusedOptimizer: zero_ext runs every stage-0 optimizer in its ZeroOptimizer "
-                        "(deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer matches it)")
+FP16_UnfusedOptimizer = isinstance_only(
+    "FP16_UnfusedOptimizer", __name__, "DeepSpeed's unfused stage-0 fp16 optimizer: zero_ext never builds one "
+    "(see the module's note).", lambda obj: False,
+    "FP16_UnfusedOptimizer: zero_ext runs every stage-0 optimizer in its ZeroOptimizer "
+    "(deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer matches it)")

@@ -4,14 +4,11 @@ from zero_ext.runtime.zero.stage3 import (estimate_zero3_model_states_mem_needs,
                                           estimate_zero3_model_states_mem_needs_all_cold,
                                           estimate_zero3_model_states_mem_needs_all_live, model_to_params,
                                           unwrap_model_for_generation)
-from .stage_1_and_2 import _OfStages  # noqa: E402
+from .._isinstance_only import isinstance_only  # noqa: E402
+from .stage_1_and_2 import at_stages  # noqa: E402
 
-
-class DeepSpeedZeroOptimizer_Stage3(metaclass=_OfStages):
-    """DeepSpeed's ZeRO-3 optimizer class, for isinstance checks: zero_ext's ZeroOptimizer at stage 3."""
-
-    stages = (3,)
-
-    def __init__(self, *args, **kwargs):
-        raise TypeError("DeepSpeedZeroOptimizer_Stage3 is built by deepspeed.initialize (zero_ext's ZeroOptimizer); "
-                        "it is here for isinstance checks only")
+DeepSpeedZeroOptimizer_Stage3 = isinstance_only(
+    "DeepSpeedZeroOptimizer_Stage3", __name__, "DeepSpeed's ZeRO-3 optimizer class, for isinstance checks: "
+    "zero_ext's ZeroOptimizer at stage 3.", at_stages(3),
+    "DeepSpeedZeroOptimizer_Stage3 is built by deepspeed.initialize (zero_ext's ZeroOptimizer); it is here for "
+    "isinstance checks only")

@@ -4,22 +4,20 @@ from zero_ext.runtime.zero.stage_1_and_2 import (estimate_zero2_model_states_mem
                                                  estimate_zero2_model_states_mem_needs_all_live, model_to_params)
 from zero_ext.optim.zero_optimizer import ZeroOptimizer as _ZeroOptimizer  # noqa: E402
 
-
-class _OfStages(type):
-    """isinstance(opt, DeepSpeedZeroOptimizer) is true for zero_ext's optimizer at the class's stages
-    (zero_ext has one optimizer class for every stage; DeepSpeed has one per stage family)."""
-
-    def __instancecheck__(cls, obj):
-        from ..bf16_optimizer import is_bf16_optimizer  # (DeepSpeed's other class for one stage 1 case)
-
-        return isinstance(obj, _ZeroOptimizer) and obj.stage in cls.stages and not is_bf16_optimizer(obj)
+from .._isinstance_only import isinstance_only  # noqa: E402
 
 
-class DeepSpeedZeroOptimizer(metaclass=_OfStages):
-    """DeepSpeed's ZeRO-1/2 optimizer class, for isinstance checks: zero_ext's ZeroOptimizer at stage 1 or 2."""
 
-    stages = (1, 2)
+def at_stages(*stages):
+    """zero_ext's optimizer at these stages (one class for every stage there; DeepSpeed has one per
+    stage family), unless it is the stage 1 case DeepSpeed builds its BF16_Optimizer for."""
+    from ..bf16_optimizer import is_bf16_optimizer
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("DeepSpeedZeroOptimizer is built by deepspeed.initialize (zero_ext's ZeroOptimizer); "
-                        "it is here for isinstance checks only")
+    return lambda obj: isinstance(obj, _ZeroOptimizer) and obj.stage in stages and not is_bf16_optimizer(obj)
+
+
+DeepSpeedZeroOptimizer = isinstance_only(
+    "DeepSpeedZeroOptimizer", __name__, "DeepSpeed's ZeRO-1/2 optimizer class, for isinstance checks: zero_ext's "
+    "ZeroOptimizer at stage 1 or 2.", at_stages(1, 2),
+    "DeepSpeedZeroOptimizer is built by deepspeed.initialize (zero_ext's ZeroOptimizer); it is here for "
+    "isinstance checks only")
