@@ -181,3 +181,28 @@ def test_divergence_in_backward_raises_before_a_gradient_reduction_hangs():
         assert "ranks are about to gather different parameters" in message
         assert "rank 0: following the recorded trace, last fetch by module 'head_b' (Linear)" in message
         assert "rank 1: backward of module 'head_a' (Linear): 2 parameter(s), 27 elements" in message
+
+
+def _names_after_one_rank_partitioned_alone():
+    import torch.distributed as dist
+    from zero_ext.zero.convert import partition_module, partition_params
+    from zero_ext.zero.fetch import FetchOrderError
+
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]  # (every rank makes every group)
+    if rank() == 0:  # a rank-0-only tool partitions a parameter of its own: rank 0's ds_ids run ahead
+        partition_params([nn.Parameter(torch.ones(3))], group=alone[0])
+    model = Branchy()
+    zps = partition_module(model)
+    ids = [zp.ds_id for zp in zps]
+    mine = model.branch_a.weight if rank() == 0 else model.wide.weight
+    try:
+        mine.all_gather()
+    except FetchOrderError as e:
+        return ids, str(e)
+    return ids, "gathered"
+
+
+def test_ds_ids_agree_after_a_rank_partitioned_alone_so_messages_name_the_right_parameters():
+    (ids0, message), (ids1, _) = run_ranks(2, _names_after_one_rank_partitioned_alone)
+    assert ids0 == ids1
+    assert "branch_a.weight" in message and "wide.weight" in message, message

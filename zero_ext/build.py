@@ -206,15 +206,12 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
+    _check_init_dtypes(model, want)
     with torch.no_grad():
         for p in model.parameters():
             zp = zero_param_of(p)
             if zp is not None:
                 _check_partition_group(zp, mics)
-                if zp.dtype != want:
-                    raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
-                                     f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
-                                     "under zero.Init(config_dict_or_path=<the same config>) so they agree")
             elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
                 p.data = p.data.to(dtype=want)                 # each piece, never the whole model
         for m in model.modules():
@@ -245,6 +242,19 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
         zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
         zp.gather_by_all_reduce = zc.use_all_reduce_for_fetch_params  # (zero/collectives.py)
     return zero_model
+
+
+def _check_init_dtypes(model: torch.nn.Module, want: torch.dtype) -> None:
+    """Parameters partitioned by zero.Init keep their dtype, as in DeepSpeed: a model may mix them (an
+    fp32 LoRA adapter added with ``param.convert_to_zero_parameters`` next to a bf16 base). But when no
+    floating-point one has the training dtype, the model was built under a zero.Init that did not see the
+    config (a mistake, not a mix): refused."""
+    dtypes = {zp.dtype for zp in map(zero_param_of, model.parameters()) if zp is not None and zp.dtype.is_floating_point}
+    if dtypes and want not in dtypes:
+        found = ", ".join(sorted(str(d) for d in dtypes))
+        raise ValueError(f"zero_ext.initialize: the model's parameters were built under zero.Init as {found}, "
+                         f"but the config trains in {want}; build the model under "
+                         "zero.Init(config_dict_or_path=<the same config>) so they agree")
 
 
 def _hpz_groups(zc, plan: OffloadPlan, world: int):

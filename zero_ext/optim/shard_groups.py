@@ -269,6 +269,14 @@ def _full_grad(zp) -> torch.Tensor:
     return zp.param.grad.reshape(-1)
 
 
+def _by_dtype(zps) -> List[List]:
+    """The parameters split by dtype, each list in the original order, dtypes in order of first appearance."""
+    runs: Dict[torch.dtype, List] = {}
+    for z in zps:
+        runs.setdefault(z.dtype, []).append(z)
+    return list(runs.values())
+
+
 def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int,
                        plan=None, on_group=None, process_group=None):
     """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
@@ -288,8 +296,10 @@ def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: 
             group["params"] = []
             per_group.append([])
             continue
-        ids = planner.sub_groups([z.numel for z in zps], world, sub_group_size)
-        members = [[z for z, s in zip(zps, ids) if s == k] for k in range(max(ids) + 1)]
+        members = []
+        for same in _by_dtype(zps):  # a sub-group's buffer has one dtype: an fp32 adapter beside a bf16 base
+            ids = planner.sub_groups([z.numel for z in same], world, sub_group_size)  # gets sub-groups of its own
+            members += [[z for z, s in zip(same, ids) if s == k] for k in range(max(ids) + 1)]
         on_host = plan.host_subgroups([sum(z.numel for z in m) for m in members]) if plan else [False] * len(members)
         subs = []
         for m, h in zip(members, on_host):

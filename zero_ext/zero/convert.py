@@ -14,7 +14,7 @@ from .._native import planner
 from . import collectives, internal, mics
 from ..accelerator import compute_device
 from .fetch import FetchSite, check_agreement
-from .param import ZeroParam, is_zero_param, next_ds_id, peek_ds_id
+from .param import ZeroParam, align_ds_ids, is_zero_param, next_ds_id, peek_ds_id
 from .status import FetchKind
 
 
@@ -61,8 +61,9 @@ def _partition_params(params, group, remote_device, pin_memory, src_group_rank, 
     if not params:
         return []
     if world > 1:  # the scatters below must match in size: agree first ([Note: fetch-order agreement])
-        check_agreement(FetchSite(FetchKind.PARTITION), [p.shape for p in params], peek_ds_id(), group,
-                        collectives.check_device(group, params[0].device))
+        rows = check_agreement(FetchSite(FetchKind.PARTITION), [p.shape for p in params], peek_ds_id(), group,
+                               collectives.check_device(group, params[0].device))
+        align_ds_ids(max(row[-1] for row in rows))
     layout = mics.of(group)  # MiCS (zero/mics.py): pieces replicated over the shard groups
     replicas = layout.replica_group if layout is not None and layout.replicas > 1 else None
     converted = []

@@ -1,5 +1,7 @@
-"""DeepSpeed's gather-by-hand methods of a ZeRO-3 parameter: ``param.all_gather()``,
-``param.all_gather_coalesced(params)`` and ``param.partition()``, with their handles.
+"""DeepSpeed's methods of a ZeRO-3 parameter: gathering by hand (``param.all_gather()``,
+``param.all_gather_coalesced(params)`` and ``param.partition()``, with their handles), and
+``param.convert_to_zero_parameters(params)``, which partitions parameters made after zero.Init (a LoRA
+adapter attached to a partitioned model) the way this parameter was.
 
 A parameter gathered this way is held by ``BY_HAND`` (a holder like a module call or a GatheredParameters
 block, see param.py): it stays AVAILABLE through forwards and backwards that use it, until
@@ -95,3 +97,21 @@ def partition(owner, param_list: Optional[Sequence] = None, has_been_updated: bo
         for zp in zps:
             zp.write_back()  # (a replaced param.data included)
     release(zps, BY_HAND)
+
+
+def convert_to_zero_parameters(owner, param_list: Sequence) -> None:
+    """``param.convert_to_zero_parameters(param_list)``: partition the parameters of ``param_list`` that
+    are not ZeRO-3 parameters yet like ``owner`` (its group, compute device, where its piece lives,
+    its gather options); each keeps its own dtype, so an fp32 adapter stays fp32 next to a bf16 base.
+    Collective over owner's group: every rank converts the same parameters in the same order, and rank
+    0's values win (DeepSpeed broadcasts them too)."""
+    from . import convert  # (convert.py imports param.py, which attaches this method)
+
+    home = "cpu" if owner.piece_io is not None else owner.shard.device
+    remote = None if home == owner.compute_device else str(home)
+    converted = convert.partition_params(list(param_list), owner.group, remote,
+                                         pin_memory=owner.shard.is_pinned(), compute=owner.compute_device)
+    for zp in converted:
+        zp.sanity_checks, zp.gather_by_all_reduce = owner.sanity_checks, owner.gather_by_all_reduce
+        if owner.piece_io is not None:  # zero.Init put its pieces in swap files: these go there too
+            owner.piece_io.add_piece(("init", zp.ds_id), zp)

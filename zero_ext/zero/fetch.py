@@ -196,10 +196,10 @@ def agree_rows(row: Sequence[int], group, device: torch.device, counted: bool = 
 
 
 def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: int, group,
-                    device: torch.device, stamp: Sequence[int] = ()) -> None:
+                    device: torch.device, stamp: Sequence[int] = ()) -> List[List[int]]:
     """Raise FetchOrderError on every rank unless all ranks are about to gather (or partition)
-    parameters of the same shapes for the same reason and module, with the same ``stamp``.
-    Collective (one small all-gather)."""
+    parameters of the same shapes for the same reason and module, with the same ``stamp``; else return
+    every rank's row (its ``first_ds_id`` last). Collective (one small all-gather)."""
     flat: List[int] = list(stamp) + [-2]
     for shape in shapes:
         flat.extend(shape)
@@ -209,7 +209,7 @@ def check_agreement(site: FetchSite, shapes: Sequence[torch.Size], first_ds_id: 
     _AGREEMENTS[0] += 1
     rows = _agree_rows(row, group, device)
     if all(r[:_COMPARED] == rows[0][:_COMPARED] for r in rows):
-        return
+        return rows
     raise_disagreement(rows, site)
 
 

@@ -67,6 +67,15 @@ def peek_ds_id() -> int:
     return _next_ds_id
 
 
+def align_ds_ids(first: int) -> None:
+    """Continue numbering at ``first`` if it is ahead: a partitioning makes every rank agree on the
+    largest next ds_id first, so the same parameter has the same ds_id on every rank even after one rank
+    converted parameters alone (a rank-0-only tool), and a fetch-order message can name another rank's
+    parameters by their ds_id."""
+    global _next_ds_id
+    _next_ds_id = max(_next_ds_id, first)
+
+
 def is_zero_param(obj: Any) -> bool:
     """True for a tensor partitioned by ZeRO-3 (DeepSpeed's test: a tensor with a ``ds_id``). Read from the
     instance: asking about a parameter zero.Init has pending must not partition it (init.py, pending_class)."""
@@ -168,6 +177,7 @@ class ZeroParam:
         # DeepSpeed's gathering by hand (ds_param_methods.py)
         param.all_gather, param.partition = self.ds_all_gather, self.ds_partition
         param.all_gather_coalesced = self.ds_all_gather_coalesced
+        param.convert_to_zero_parameters = self.ds_convert_to_zero_parameters
         param.__deepcopy__ = self.deepcopy  # Parameter's own would copy the empty data
         _BY_DS_ID[ds_id] = self
         self._publish()
@@ -433,6 +443,10 @@ class ZeroParam:
     def ds_partition(self, param_list=None, has_been_updated: bool = False, free_data: bool = True) -> None:
         from . import ds_param_methods
         ds_param_methods.partition(self, param_list, has_been_updated, free_data)
+
+    def ds_convert_to_zero_parameters(self, param_list) -> None:
+        from . import ds_param_methods
+        ds_param_methods.convert_to_zero_parameters(self, param_list)
 
     def summary(self) -> dict:
         """DeepSpeed's ``ds_summary()`` fields, for bug reports."""
