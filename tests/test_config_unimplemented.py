@@ -43,8 +43,6 @@ CASES = {
         {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
          "zero_optimization": {"stage": 1}}, True),
     "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "fp32"}}, "fp32"),
-    "data_types.param_dtype": ({"data_types": {"param_dtype": "bf16"}}, "bf16"),
-    "data_types.buffer_dtype": ({"data_types": {"buffer_dtype": "bf16"}}, "bf16"),
     "communication_data_type": ({"communication_data_type": "fp32"}, "fp32"),
     "optimizer.type": ({"optimizer": {"type": "Lamb"}}, "lamb"),
     "optimizer.legacy_fusion": ({"optimizer": {"type": "AdamW", "legacy_fusion": True}}, True),

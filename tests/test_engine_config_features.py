@@ -315,7 +315,9 @@ def _bf16_fp32_accum_reference(world):
     from zero_ext.ops import CPUAdam
 
     torch.manual_seed(0)
-    model = MLP().to(torch.bfloat16)
+    model = MLP()
+    for p in model.parameters():  # bf16 casts the parameters; the buffer stays fp32 (as initialize does)
+        p.data = p.data.to(torch.bfloat16)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     masters = [p.detach().float().clone() for _, p in trained]
     opt = CPUAdam(masters, lr=1e-3, weight_decay=0.01, adamw_mode=True)

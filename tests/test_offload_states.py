@@ -55,7 +55,7 @@ def _round_trips(stage, dtype, offload=False):
         table = engine.memory_breakdown()
         devices = {k.value: get_state_devices(engine, k) for k in OffloadStateTypeEnum}
         errors = []
-        x = MLP.batch(2, torch.Generator(), next(engine.module.buffers()).dtype)[0]
+        x = MLP.batch(2, torch.Generator(), next(engine.module.parameters()).dtype)[0]
         for call in (lambda: engine.step(), lambda: engine(x)):
             try:
                 engine.phase = StepPhase.BACKWARD  # reach the boundary check of step()

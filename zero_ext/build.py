@@ -187,13 +187,32 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
                       stacklevel=4)
         unpartition(model)
     model.to(device)
-    if dtype is not None:
-        model.to(dtype)
+    _cast_floating(model.parameters(), dtype)
+    _cast_floating(model.buffers(), buffer_dtype(cfg))
     if world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
                 comm.broadcast(t.data, src=_first_rank(pg), group=pg)
     return None
+
+
+def buffer_dtype(cfg) -> Optional[torch.dtype]:
+    """What floating-point buffers are cast to: ``data_types.buffer_dtype``, else nothing. As in DeepSpeed
+    0.19.5+, fp16/bf16 cast the parameters only; a buffer keeps the dtype it was built in (an fp32 rotary
+    ``inv_freq`` stays fp32), unless zero.Init built it in its dtype."""
+    name = cfg.data_types.buffer_dtype
+    return None if name is None else {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _cast_floating(tensors, dtype: Optional[torch.dtype]) -> None:
+    """Cast each floating-point tensor (parameter or buffer) to ``dtype`` in place (``.data``: modules keep
+    their Parameter objects, as ``module.to(dtype)`` does)."""
+    if dtype is None:
+        return
+    with torch.no_grad():
+        for t in tensors:
+            if t.is_floating_point() and t.dtype != dtype:
+                t.data = t.data.to(dtype)
 
 
 def _first_rank(pg) -> int:
@@ -214,9 +233,10 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
                 _check_partition_group(zp, mics)
             elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
                 p.data = p.data.to(dtype=want)                 # each piece, never the whole model
+        buffers = buffer_dtype(cfg)
         for m in model.modules():
             for name, b in list(m.named_buffers(recurse=False)):
-                cast = want if b.is_floating_point() and dtype is not None else b.dtype
+                cast = buffers if b.is_floating_point() and buffers is not None else b.dtype
                 setattr(m, name, b.to(device=device, dtype=cast))
                 if world > 1:
                     comm.broadcast(getattr(m, name), src=_first_rank(pg), group=pg)

@@ -105,9 +105,12 @@ class DataTypesConfig(ConfigModel):
         "step's gradients into a full fp32 buffer reduced in fp32 (DeepSpeed's BF16 optimizer); "
         "any other value than what the stage does is refused at initialize.")
     param_dtype: Optional[str] = option(
-        None, "Dtype the model's parameters are cast to (fp16, bf16, fp32); unset: keep.")
+        None, "Dtype of the model's parameters (fp16, bf16, fp32): they are cast to the fp16/bf16 "
+        "mode's dtype, which this must match when set.")
     buffer_dtype: Optional[str] = option(
-        None, "Dtype the model's buffers are cast to (fp16, bf16, fp32); unset: keep.")
+        None, "Dtype the model's floating-point buffers are cast to (fp16, bf16, fp32); unset: they "
+        "keep the dtype they were built in (an fp32 rotary inv_freq stays fp32 under bf16), as in "
+        "DeepSpeed 0.19.5+.")
 
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
     @classmethod

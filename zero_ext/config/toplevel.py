@@ -293,6 +293,12 @@ def _precision_rules(cfg: DeepSpeedConfig):
                          ("bf16", "bf16_optimizer_states")):
         if getattr(getattr(cfg, section), key) and stage == 0:
             yield (f"{section}.{key}", True, "needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    wanted = cfg.data_types.param_dtype
+    if wanted is not None and wanted != cfg.precision:
+        yield ("data_types.param_dtype", wanted,
+               f"conflicts with the training precision the config enables ({cfg.precision}): parameters are "
+               "cast to the fp16/bf16 mode's dtype; enable the matching fp16/bf16 section or remove "
+               "data_types.param_dtype")
 
 
 def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:

@@ -43,8 +43,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "data_types.grad_accum_dtype": "a separate gradient-accumulation dtype",
-    "data_types.param_dtype": "casting parameters to data_types.param_dtype",
-    "data_types.buffer_dtype": "casting buffers to data_types.buffer_dtype",
     "communication_data_type": "gradient communication in another dtype",
     # -- optimizer, scheduler, gradients ---------------------------------------------------------
     "optimizer.type": {"reason": "this DeepSpeed optimizer",
