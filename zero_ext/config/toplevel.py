@@ -293,6 +293,16 @@ def _precision_rules(cfg: DeepSpeedConfig):
                          ("bf16", "bf16_optimizer_states")):
         if getattr(getattr(cfg, section), key) and stage == 0:
             yield (f"{section}.{key}", True, "needs ZeRO stage 1, 2 or 3 (stage is 0)")
+    autocast = cfg.torch_autocast
+    if autocast.enabled and cfg.zero_optimization.zero_quantized_weights:
+        yield ("torch_autocast.enabled", True,
+               "cannot be combined with zero_optimization.zero_quantized_weights: the autocast parameters are "
+               "all-gathered in the autocast dtype, qwZ gathers int8 (DeepSpeed refuses it too); turn one off")
+    if autocast.enabled and autocast.dtype == "fp16" and cfg.fp16.enabled:
+        yield ("torch_autocast.dtype", "fp16",
+               "fp16 autocast scales the loss with its own GradScaler-style scaler, and fp16.enabled scales it "
+               "again (DeepSpeed then divides the gradients by both); use fp16.enabled or an fp16 "
+               "torch_autocast, not both")
 
 
 def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:
