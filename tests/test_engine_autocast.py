@@ -311,3 +311,32 @@ def _unimportable():
 def test_a_module_name_that_does_not_import_is_refused():
     with pytest.raises(RankFailed, match=r"torch_autocast\.lower_precision_safe_modules.*no_such_package\.Linear"):
         run_ranks(1, _unimportable)
+
+
+# -- a 16-bit model under autocast without a bf16 section ---------------------------------------------------
+
+def _bf16_model_stage3():
+    import zero_ext
+
+    config = _config(3)
+    with zero_ext.zero.Init(config_dict_or_path={**config, "bf16": {"enabled": True}}):
+        torch.manual_seed(0)
+        model = Net()
+    engine, _, _, _ = zero_ext.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+                                          config=config)
+    rank = torch.distributed.get_rank()
+    x, y = _batches(2)[0][rank]
+    before = fp32_masters(engine)
+    loss = _loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    after = fp32_masters(engine)
+    dtypes = {p.dtype for p in engine.module.parameters()}
+    engine.destroy()
+    return dtypes, engine.was_step_applied(), all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_bf16_model_built_under_zero_init_trains_in_its_dtype_at_stage3():
+    """DeepSpeed's: with torch_autocast and no bf16/fp16 section the parameters keep zero.Init's dtype."""
+    for dtypes, applied, moved in run_ranks(2, _bf16_model_stage3):
+        assert dtypes == {torch.bfloat16} and applied and moved

@@ -208,16 +208,19 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
+    # torch_autocast without a bf16/fp16 section names no training dtype: as DeepSpeed, the parameters keep
+    # theirs (e.g. a bf16 model built under zero.Init for autocast), as at stages 0-2
+    keep = dtype is None and cfg.torch_autocast.enabled
     with torch.no_grad():
         for p in model.parameters():
             zp = zero_param_of(p)
             if zp is not None:
                 _check_partition_group(zp, mics)
-                if zp.dtype != want:
+                if zp.dtype != want and not keep:
                     raise ValueError(f"zero_ext.initialize: parameter {getattr(zp, 'name', '')} was built under "
                                      f"zero.Init as {zp.dtype}, but the config trains in {want}; build the model "
                                      "under zero.Init(config_dict_or_path=<the same config>) so they agree")
-            elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
+            elif p.is_floating_point() and p.dtype != want and not keep:  # cast where it is: the partitioning moves
                 p.data = p.data.to(dtype=want)                 # each piece, never the whole model
         for m in model.modules():
             for name, b in list(m.named_buffers(recurse=False)):
