@@ -1,10 +1,5 @@
 """The engine's config accessors (DeepSpeed's names), mixed into ZeroEngine: what libraries ask an engine
 about its batch shape, precision and ZeRO stage, read from the validated config (``self._config``)."""
-import torch
-
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_DEFAULT_SAFE_MODULES = ["torch.nn.modules.linear.Linear", "torch.nn.modules.conv.Conv1d",
-                         "torch.nn.modules.conv.Conv2d", "torch.nn.modules.conv.Conv3d"]
 
 
 class ConfigQueries:
@@ -33,22 +28,6 @@ class ConfigQueries:
 
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
-
-    def torch_autocast_enabled(self) -> bool:
-        return self._config.torch_autocast.enabled
-
-    def torch_autocast_dtype(self):
-        """The torch dtype of the forward's autocast; with none configured, the device's autocast default
-        when enabled (bf16 on CPU, fp16 on CUDA), else None."""
-        dtype = _AUTOCAST_DTYPES.get(self._config.torch_autocast.dtype)
-        if dtype is None and self.torch_autocast_enabled():
-            return torch.get_autocast_dtype(self.device.type)
-        return dtype
-
-    def torch_autocast_lower_precision_safe_modules(self):
-        """The configured class names, or DeepSpeed's defaults (Linear, Conv1d/2d/3d) as "module.Class"."""
-        names = self._config.torch_autocast.lower_precision_safe_modules
-        return list(_DEFAULT_SAFE_MODULES) if names is None else list(names)
 
     def zero_quantized_weights(self) -> bool:
         return self._config.zero_optimization.zero_quantized_weights

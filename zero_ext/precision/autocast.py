@@ -126,6 +126,25 @@ def get_allgather_dtype(param, ds_tensor) -> torch.dtype:
     return get_comm_dtype(param) if has_comm_dtype(param) else ds_tensor.dtype
 
 
+class AutocastQueries:
+    """The engine's torch_autocast accessors (DeepSpeed's names), mixed into ZeroEngine."""
+
+    def torch_autocast_enabled(self) -> bool:
+        return self._config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> Optional[torch.dtype]:
+        """The forward's autocast dtype; with none configured, the device's autocast default when enabled
+        (bf16 on CPU, fp16 on CUDA), else None."""
+        if self.torch_autocast_enabled():
+            return resolve_dtype(self._config, self.device.type)
+        return autocast_dtype_of(self._config)
+
+    def torch_autocast_lower_precision_safe_modules(self) -> List[str]:
+        """The configured class names, or DeepSpeed's defaults (Linear, Conv1d/2d/3d) as "module.Class"."""
+        names = self._config.torch_autocast.lower_precision_safe_modules
+        return get_default_autocast_lower_precision_modules() if names is None else list(names)
+
+
 def _say_once(message: str, warn: bool) -> None:
     if _STATE.warned_nested:
         return
