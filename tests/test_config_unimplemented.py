@@ -66,7 +66,6 @@ CASES = {
     "sequence_parallel_size": ({"sequence_parallel_size": 2}, 2),
     "data_parallel_size": ({"data_parallel_size": 2}, 2),
     "amp.enabled": ({"amp": {"enabled": True, "opt_level": "O2"}}, True),
-    "torch_autocast.enabled": ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, True),
     "elasticity.enabled": ({"elasticity": {"enabled": True}}, True),
     "compile.deepcompile": ({"compile": {"deepcompile": True}}, True),
     "hybrid_engine.enabled": ({"hybrid_engine": {"enabled": True}}, True),

@@ -256,7 +256,7 @@ def _bucket_dtype_and_bytes():
     from zero_ext.comm import native
 
     buckets = engine.memory_breakdown()["comm_buffers"]["accelerator"] - native.buffer_bytes()
-    return opt.reducer.dtype, buckets, opt.reducer.buffer_numel
+    return opt.reducer.buffers[0].dtype, buckets, opt.reducer.buffer_numel
 
 
 def test_communication_data_type_sets_the_bucket_dtype():

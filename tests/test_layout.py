@@ -20,6 +20,7 @@ LAYERS = [
     ("checkpoint", "activation_checkpointing"),
     ("optim",),
     ("zero",),
+    ("precision",),
     ("nvme",),
     ("ops",),
     ("offload",),

@@ -40,12 +40,13 @@ from .optim.factory import (build_optimizer, check_client_optimizer, check_clien
                             is_cpu_optimizer)
 from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
-from .optim.loss_scaler import scaler_from_config
+from .optim.loss_scaler import gradscaler_like, scaler_from_config
 from .optim.muon import MuonWithAuxAdam, muon_param_groups
 from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
+from .precision.autocast import mark_safe_params, record_initialized, resolve_dtype
 from .zero import ZeroModel, unpartition
 from .zero.ds_surface import ParameterOffload
 from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
@@ -75,12 +76,13 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     try:
         mics = _mics_groups(cfg.zero_optimization, plan, world, parallel)
         made.zero_model = _place_model(model, cfg, device, world, plan, pg, mics)
+        autocast_dtype = _init_autocast(model, cfg, device)
         base = _base_optimizer(model, cfg, optimizer, groups, plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
-                                        parallel, mics)
+                                        parallel, mics, autocast_dtype)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":
@@ -225,13 +227,17 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     """Stage 3: the model's whole parameters are cast and partitioned (rank 0's values), those built
     under zero.Init must already have the training dtype; then the fetch/release hooks go on."""
     want = dtype or torch.float32
-    _check_init_dtypes(model, want)
+    # torch_autocast without a bf16/fp16 section names no training dtype: as DeepSpeed, the parameters keep
+    # theirs (e.g. a bf16 model built under zero.Init for autocast), as at stages 0-2
+    keep = dtype is None and cfg.torch_autocast.enabled
+    if not keep:
+        _check_init_dtypes(model, want)
     with torch.no_grad():
         for p in model.parameters():
             zp = zero_param_of(p)
             if zp is not None:
                 _check_partition_group(zp, mics)
-            elif p.is_floating_point() and p.dtype != want:  # cast where it is: the partitioning moves
+            elif p.is_floating_point() and p.dtype != want and not keep:  # cast where it is: the partitioning moves
                 p.data = p.data.to(dtype=want)                 # each piece, never the whole model
         buffers = buffer_dtype(cfg)
         for m in model.modules():
@@ -368,14 +374,27 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
 
 # -- 3./4. the ZeRO optimizer and its NVMe stores -------------------------------------------------------------
 
-def _averaging(cfg, world: int, model_dtype: torch.dtype) -> Averaging:
+def _init_autocast(model, cfg, device) -> Optional[torch.dtype]:
+    """torch_autocast: the safe modules' parameters get their ``comm_dtype`` (precision/autocast.py); the
+    autocast dtype, or None when it is off."""
+    if not cfg.torch_autocast.enabled:
+        return None
+    dtype = resolve_dtype(cfg, device.type)
+    mark_safe_params(model, dtype, cfg.torch_autocast.lower_precision_safe_modules)
+    record_initialized(dtype)
+    return dtype
+
+
+def _averaging(cfg, world: int, model_dtype: torch.dtype, stage: int) -> Averaging:
     comm_dtype = _DTYPES.get(cfg.communication_data_type, model_dtype)
+    # stages 1-3 send the autocast parameters' gradients in their comm_dtype; stage 0, as DeepSpeed's, does not
     return Averaging(world, comm_dtype, cfg.prescale_gradients, cfg.gradient_predivide_factor,
-                     summed=cfg.gradient_allreduce_op == "sum")
+                     summed=cfg.gradient_allreduce_op == "sum", per_param=cfg.torch_autocast.enabled and stage > 0)
 
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
-                    world: int, parallel: ParallelGroups, mics: Optional[MiCSGroups] = None) -> ZeroOptimizer:
+                    world: int, parallel: ParallelGroups, mics: Optional[MiCSGroups] = None,
+                    autocast_dtype: Optional[torch.dtype] = None) -> ZeroOptimizer:
     zc = cfg.zero_optimization
     pg = parallel.dp_group  # the partition group: the data-parallel group, or MiCS's shard group
     after_step = []
@@ -388,7 +407,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
         on_group = (lambda k, g: _register_piece_group(nvme_pieces, cfg, k, g)) if nvme_pieces is not None else None
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
                                        on_group=on_group, process_group=pg)
-        averaging = _averaging(cfg, everyone, groups[0].dtype)
+        averaging = _averaging(cfg, everyone, groups[0].dtype, zc.stage)
         # qgZ in two levels across nodes; in one inside a MiCS shard group or an mpu's data-parallel group
         hierarchy = _qgz_hierarchy(zc, world) if zc.zero_quantized_gradients and pg is None else None
         reducer = ShardReducer(groups, zero_model, zc.reduce_bucket_size, zc.overlap_comm, averaging, rank, world,
@@ -410,14 +429,15 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
-        averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype)
+        averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype, zc.stage)
         if zc.stage == 2:
             reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
                                     rank, world, zc.ignore_unused_parameters, averaging, process_group=pg)
         else:
             reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
     return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
-                         world, loss_scaler=scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
+                         world, loss_scaler=gradscaler_like() if autocast_dtype == torch.float16 else
+                         scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
                          nvme_pieces=nvme_pieces, model_parallel=parallel)
 
 

@@ -38,6 +38,7 @@ from .offload.plan import OffloadPlan
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
+from .precision.autocast import AutocastQueries, autocast_if_enabled
 from .zero import GatheredParameters
 from .zero.param import zero_param_of
 
@@ -88,7 +89,7 @@ def engine_of_module(module) -> Optional["ZeroEngine"]:
     return ref() if ref is not None else None
 
 
-class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
+class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Module):
     """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
     engine), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
     the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
@@ -213,7 +214,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         self._require_alive("forward")
         self._require_loaded("forward", ("lp_params",))
         self.tput_timer.start()
-        with self.wall_clock.phase("fwd"):
+        with self.wall_clock.phase("fwd"), autocast_if_enabled(self):  # (torch_autocast: precision/autocast.py)
             out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
             comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)

@@ -29,6 +29,9 @@ class ConfigQueries:
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
+    def zero_quantized_weights(self) -> bool:
+        return self._config.zero_optimization.zero_quantized_weights
+
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 

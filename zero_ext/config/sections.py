@@ -109,13 +109,48 @@ class FeatureSection(ConfigModel):
     enabled: bool = option(False, "Turn the feature on (refused by zero_ext for now).")
 
 
+#: DeepSpeed's DtypeEnum spellings of the two autocast dtypes (torch.autocast takes no others here).
+AUTOCAST_DTYPES = {"torch.bfloat16": "bf16", "bf16": "bf16", "bfloat16": "bf16",
+                   "torch.float16": "fp16", "fp16": "fp16", "float16": "fp16", "half": "fp16"}
+
+
 class TorchAutocastConfig(ConfigModel):
-    """torch.autocast around the forward pass."""
+    """torch.autocast around the engine's forward pass (DeepSpeed's ``torch_autocast``); the parameters
+    of lower-precision-safe modules have their gradients reduced (and, at ZeRO-3, are all-gathered) in
+    the autocast dtype (docs/precision.md, "torch.autocast")."""
 
     enabled: bool = option(False, "Run the forward pass under torch.autocast.")
-    dtype: Optional[str] = option(None, "Autocast dtype (e.g. bfloat16).")
+    dtype: Optional[str] = option(
+        None, 'Autocast dtype: "bf16" / "bfloat16" / "torch.bfloat16" or "fp16" / "float16" / "half" / '
+        '"torch.float16" (null: the device\'s autocast default, bf16 on CPU, fp16 on CUDA). fp16 scales '
+        "the loss as torch.amp.GradScaler does.")
     lower_precision_safe_modules: Optional[List[str]] = option(
-        None, "Module classes whose parameters may stay in the autocast dtype.")
+        None, 'Module classes ("package.Class", exact class match) whose parameters are communicated in '
+        "the autocast dtype (null: torch.nn.Linear, Conv1d, Conv2d, Conv3d).")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        name = str(value).strip().lower() if isinstance(value, str) else str(value)
+        if name not in AUTOCAST_DTYPES:
+            raise ValueError(f'must name bf16 or fp16 for torch.autocast ("bfloat16", "torch.bfloat16", "fp16", '
+                             f'"float16", "half", ...), got {value!r}')
+        return AUTOCAST_DTYPES[name]
+
+    @field_validator("lower_precision_safe_modules", mode="before")
+    @classmethod
+    def _modules(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError('must be a list of class names as strings, e.g. ["torch.nn.Linear", '
+                             f'"mypackage.MyLinear"], got {value!r}')
+        bad = [v for v in value if "." not in v.strip(".")]
+        if bad:
+            raise ValueError(f'{bad[0]!r} is not a qualified class name: write "package.module.Class"')
+        return list(value)
 
 
 class ProgressiveLayerDropConfig(ConfigModel):

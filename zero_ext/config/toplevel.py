@@ -299,6 +299,16 @@ def _precision_rules(cfg: DeepSpeedConfig):
                f"conflicts with the training precision the config enables ({cfg.precision}): parameters are "
                "cast to the fp16/bf16 mode's dtype; enable the matching fp16/bf16 section or remove "
                "data_types.param_dtype")
+    autocast = cfg.torch_autocast
+    if autocast.enabled and cfg.zero_optimization.zero_quantized_weights:
+        yield ("torch_autocast.enabled", True,
+               "cannot be combined with zero_optimization.zero_quantized_weights: the autocast parameters are "
+               "all-gathered in the autocast dtype, qwZ gathers int8 (DeepSpeed refuses it too); turn one off")
+    if autocast.enabled and autocast.dtype == "fp16" and cfg.fp16.enabled:
+        yield ("torch_autocast.dtype", "fp16",
+               "fp16 autocast scales the loss with its own GradScaler-style scaler, and fp16.enabled scales it "
+               "again (DeepSpeed then divides the gradients by both); use fp16.enabled or an fp16 "
+               "torch_autocast, not both")
 
 
 def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:

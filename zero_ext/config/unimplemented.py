@@ -69,7 +69,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "data_parallel_size": "device meshes",
     # -- other DeepSpeed subsystems ---------------------------------------------------------------
     "amp.enabled": "NVIDIA Apex AMP",
-    "torch_autocast.enabled": "torch.autocast integration",
     "elasticity.enabled": "elastic training",
     "compile.deepcompile": "DeepCompile",
     "hybrid_engine.enabled": "the hybrid (RLHF) engine",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .. import comm
 from ..config.errors import EngineUsageError
 from .._native import planner
+from ..precision.autocast import get_comm_dtype, sort_dtypes
 from .flat_group import FlatGroup
 from .step_check import agree_on_reduction
 
@@ -31,16 +32,23 @@ class Averaging:
     by default multiplied by 1/f before the reduction and by f/N after (gradient_predivide_factor f,
     default 1); with prescale_gradients divided by N before. ``summed`` (gradient_allreduce_op "sum"):
     neither, the ranks' gradients are added up. ``comm_dtype``: communication_data_type, or the
-    gradients' own dtype."""
+    gradients' own dtype. ``per_param`` (torch_autocast, stages 1-3): each parameter's gradient travels
+    in its own communication dtype, DeepSpeed's ``get_comm_dtype``: the ``comm_dtype`` attribute of the
+    autocast parameters, else the parameter's dtype (precision/autocast.py)."""
 
     def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0,
-                 summed: bool = False):
+                 summed: bool = False, per_param: bool = False):
         self.comm_dtype = comm_dtype
+        self.per_param = per_param
         if summed:
             self.pre = self.post = 1.0
             return
         self.pre = 1.0 / world if prescale else 1.0 / predivide
         self.post = 1.0 if prescale else predivide / world
+
+    def dtype_of(self, param) -> torch.dtype:
+        """The dtype ``param``'s gradient is reduced in."""
+        return get_comm_dtype(param) if self.per_param else self.comm_dtype
 
 
 def accumulate(dst: torch.Tensor, src: torch.Tensor, post: float) -> None:
@@ -75,6 +83,22 @@ class BoundaryReducer:
         self._fold_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._queue_fold)
                        for g in self._folding for p in g.params]
+        self._runs = [self._dtype_runs(g) for g in groups]
+
+    def _dtype_runs(self, g: FlatGroup) -> List[Tuple[int, int, torch.dtype]]:
+        """[a, b) ranges of the flat buffer and the dtype each travels in: one range unless torch_autocast
+        gives some parameters another communication dtype (each parameter's padding goes with it)."""
+        if not self.avg.per_param:
+            return [(0, g.padded, self.avg.comm_dtype)]
+        runs: List[Tuple[int, int, torch.dtype]] = []
+        for k, (p, off) in enumerate(zip(g.params, g.offsets)):
+            end = g.offsets[k + 1] if k + 1 < len(g.params) else g.padded
+            dtype = self.avg.dtype_of(p)
+            if runs and runs[-1][2] == dtype:
+                runs[-1] = (runs[-1][0], end, dtype)
+            else:
+                runs.append((0 if not runs else off, end, dtype))
+        return runs
 
     def _queue_fold(self, _param) -> None:
         if not self._fold_queued:
@@ -87,7 +111,7 @@ class BoundaryReducer:
             g.fold_lp_grads()
 
     def reduce(self, world: int) -> None:
-        for g in self.groups:
+        for g, runs in zip(self.groups, self._runs):
             if g.acc_grad is not None:
                 g.fold_lp_grads()  # (gradients that came without a backward callback: nothing, usually)
             else:
@@ -98,21 +122,22 @@ class BoundaryReducer:
                 if not aliased:
                     g.grad.copy_(src)
                 continue
-            if g.partitioned and src.is_cuda and self.avg.comm_dtype == src.dtype:
+            if g.partitioned and src.is_cuda and runs == [(0, g.padded, src.dtype)]:
                 self._reduce_scatter(g)
                 if not aliased:
                     g.grad.copy_(src[g.lo:g.hi])
             else:
-                for a, b in _chunks(g.padded, self.bucket_size):
-                    self._all_reduce_chunk(g, a, b, aliased)
+                for start, end, dtype in runs:
+                    for a, b in _chunks(end - start, self.bucket_size):
+                        self._all_reduce_chunk(g, start + a, start + b, aliased, dtype)
             if self.avg.post != 1.0:
                 g.grad.mul_(self.avg.post)
 
-    def _all_reduce_chunk(self, g: FlatGroup, a: int, b: int, aliased: bool) -> None:
-        """All-reduces the flat gradient's [a:b] in the communication dtype; this rank keeps its
+    def _all_reduce_chunk(self, g: FlatGroup, a: int, b: int, aliased: bool, dtype: torch.dtype) -> None:
+        """All-reduces the flat gradient's [a:b] in the communication dtype ``dtype``; this rank keeps its
         partition's part."""
         chunk = g.boundary_grad[a:b]
-        t = chunk if self.avg.comm_dtype == chunk.dtype else chunk.to(self.avg.comm_dtype)
+        t = chunk if dtype == chunk.dtype else chunk.to(dtype)
         if self.avg.pre != 1.0:
             t.mul_(self.avg.pre)
         comm.all_reduce(t, group=self.pg)
@@ -208,10 +233,10 @@ class BucketReducer(StreamingReducer):
         self.bucket_size = max(1, bucket_size)
         # a buffer never needs more than every gradient, nor less than the largest one
         self.buffer_numel = min(max(self.bucket_size, max(numels)), sum(numels))
-        self.dtype = averaging.comm_dtype  # the buckets travel in the communication dtype
         self.device = groups[0].flat.device
         self.buffers: List[torch.Tensor] = []
-        self.next_buffer = 0
+        self._pool: Dict[torch.dtype, List[torch.Tensor]] = {}  # the bucket buffers of each comm dtype
+        self._next: Dict[torch.dtype, int] = {}
         self.pending: List[tuple] = []  # (handles, buffer, bucket view, (my region start, my runs))
         # for each parameter, the runs each rank owns: (rank, param_offset, part_offset, length)
         self.runs: Dict[Tuple[int, int], List[Tuple[int, int, int, int]]] = {}
@@ -223,7 +248,9 @@ class BucketReducer(StreamingReducer):
         # name: for the agreement before each bucket (step_check.py)
         self.index = {key: k for k, key in enumerate(self.runs)}
         self.names: Dict[int, str] = {}
-        self.bucket = _Bucket()
+        # one bucket per communication dtype (one dtype unless torch_autocast gives some parameters another)
+        self.dtypes = {(gi, i): averaging.dtype_of(p) for gi, g in enumerate(groups) for i, p in enumerate(g.params)}
+        self.buckets: Dict[torch.dtype, _Bucket] = {}
         self.seen = set()
         self.callback_queued = False
         self.handles = []
@@ -241,7 +268,6 @@ class BucketReducer(StreamingReducer):
         go, and its first buckets make them again. Offloaded partitions (pinned host memory, slow to
         make) are kept and zeroed."""
         self.free_buffers()
-        self.next_buffer = 0
         for g in self.groups:
             if g.offloaded:
                 g.grad.zero_()
@@ -256,11 +282,13 @@ class BucketReducer(StreamingReducer):
                 # runs once when this backward pass ends, whoever called .backward()
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
                 self.callback_queued = True
-            n = self.groups[gi].numels[i]
-            if self.bucket.members and self.bucket.numel + n > self.bucket_size:
-                self.flush()
-            self.bucket.members.append((gi, i))
-            self.bucket.numel += n
+            n, dtype = self.groups[gi].numels[i], self.dtypes[(gi, i)]
+            bucket = self.buckets.get(dtype)
+            if bucket is not None and bucket.members and bucket.numel + n > self.bucket_size:
+                self._flush(dtype)
+            bucket = self.buckets.setdefault(dtype, _Bucket())
+            bucket.members.append((gi, i))
+            bucket.numel += n
             self.seen.add((gi, i))
         return on_grad_ready
 
@@ -273,27 +301,38 @@ class BucketReducer(StreamingReducer):
         self.seen = set()
         self.check_unused(unused)
 
-    def _buffer(self, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(the buffer, its first numel elements) for the next bucket."""
+    def free_buffers(self) -> None:
+        super().free_buffers()
+        self._pool, self._next = {}, {}
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer, its first numel elements) for the next bucket of communication dtype ``dtype``."""
         if not self.contiguous:
-            buf = torch.empty(numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
             return buf, buf
         count = 2 if self.overlap else 1
-        if not self.buffers:
-            self.buffers = [torch.empty(self.buffer_numel, dtype=self.dtype, device=self.device)
-                            for _ in range(count)]
-        buf = self.buffers[self.next_buffer]
-        self.next_buffer = (self.next_buffer + 1) % count
+        if dtype not in self._pool:
+            self._pool[dtype] = [torch.empty(self.buffer_numel, dtype=dtype, device=self.device)
+                                 for _ in range(count)]
+            self.buffers = self.buffers + self._pool[dtype]
+        k = self._next.get(dtype, 0)
+        buf = self._pool[dtype][k]
+        self._next[dtype] = (k + 1) % count
         # the reductions still reading this buffer must end before it is refilled
         for entry in [e for e in self.pending if e[1] is buf]:
             self._complete(entry)
         return buf, buf[:numel]
 
     def flush(self) -> None:
-        members, numel = self.bucket.members, self.bucket.numel
-        if not members:
+        """Reduces every bucket (DeepSpeed's order: the communication dtypes by name)."""
+        for dtype in sort_dtypes(list(self.buckets)):
+            self._flush(dtype)
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        bucket = self.buckets.pop(dtype, None)
+        if bucket is None or not bucket.members:
             return
-        self.bucket = _Bucket()
+        members, numel = bucket.members, bucket.numel
         if self.world > 1:  # every rank is about to reduce this same bucket (step_check.py)
             agree_on_reduction([self.index[m] for m in members], [self.groups[gi].numels[i] for gi, i in members],
                                self.pg, self.device, namer=lambda k: repr(self.names.get(k, f"#{k}")))
@@ -310,7 +349,7 @@ class BucketReducer(StreamingReducer):
         for gi, i in members:
             for owner, poff, partoff, length in self.runs[(gi, i)]:
                 by_owner[owner].append((gi, i, poff, partoff, length))
-        base, buf = self._buffer(numel)
+        base, buf = self._buffer(numel, dtype)
         regions, pos = [], 0
         for owner, runs in enumerate(by_owner):
             start = pos

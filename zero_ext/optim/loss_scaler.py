@@ -86,3 +86,10 @@ def scaler_from_config(fp16) -> StaticLossScaler:
     return DynamicLossScaler(init_scale=2.0 ** fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
                              min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
                              consecutive_hysteresis=fp16.consecutive_hysteresis)
+
+
+def gradscaler_like() -> DynamicLossScaler:
+    """fp16 torch_autocast's scaler: torch.amp.GradScaler's defaults, which DeepSpeed uses there (start at
+    2**16; an overflow skips the step and halves the scale at once, no hysteresis; every 2000 clean steps
+    double it; no floor)."""
+    return DynamicLossScaler(init_scale=2.0 ** 16, scale_window=2000, min_scale=0.0, hysteresis=1)

@@ -29,6 +29,7 @@ import torch
 
 from .. import comm
 from .._native import cuda, planner
+from ..precision.autocast import sort_dtypes
 from .grad_reduce import Averaging, StreamingReducer, accumulate
 from .quantized_reduce import reduce_scatter_per_piece, reduce_scatter_quantized
 from .step_check import agree_on_reduction
@@ -120,12 +121,12 @@ class ShardReducer(StreamingReducer):
         self.hierarchy = hierarchy
         self.avg, self.overlap, self.ignore_unused = averaging, overlap, ignore_unused
         self.bucket_size = max(1, bucket_size)
-        self.dtype = averaging.comm_dtype
         self.where: Dict[int, Tuple[int, int]] = {id(zp): (gi, i) for gi, g in enumerate(groups)
                                                   for i, zp in enumerate(g.zparams)}
         self.index = {key: k for k, key in enumerate(self.where)}  # position in the optimizer: every rank's
-        self.bucket: List = []
-        self.bucket_numel = 0
+        # one bucket per communication dtype: [members, numel] (one dtype unless torch_autocast gives some
+        # parameters another)
+        self.buckets: Dict[torch.dtype, list] = {}
         self.pending: List = []
         self.seen = set()
         self.buffers: List[torch.Tensor] = []  # in flight, for memory accounting
@@ -148,14 +149,22 @@ class ShardReducer(StreamingReducer):
         self._add(zp)
 
     def _add(self, zp) -> None:
-        if self.bucket and self.bucket_numel + zp.numel > self.bucket_size:
-            self.flush()
-        self.bucket.append(zp)
-        self.bucket_numel += zp.numel
+        dtype = self.avg.dtype_of(zp.param)
+        bucket = self.buckets.get(dtype)
+        if bucket is not None and bucket[0] and bucket[1] + zp.numel > self.bucket_size:
+            self._flush(dtype)
+        bucket = self.buckets.setdefault(dtype, [[], 0])
+        bucket[0].append(zp)
+        bucket[1] += zp.numel
         self.seen.add(id(zp))
 
     def flush(self) -> None:
-        members, self.bucket, self.bucket_numel = self.bucket, [], 0
+        """Reduces every bucket (DeepSpeed's order: the communication dtypes by name)."""
+        for dtype in sort_dtypes(list(self.buckets)):
+            self._flush(dtype)
+
+    def _flush(self, dtype: torch.dtype) -> None:
+        members = self.buckets.pop(dtype, [[], 0])[0]
         if not members:
             return
         if self.world == 1 and self.replicas is None:  # one rank: each piece is the whole parameter
@@ -175,14 +184,14 @@ class ShardReducer(StreamingReducer):
         agree_on_reduction([self.index[id(zp)] for zp in members], numels, self.pg, device,
                            first_ds_id=members[0].ds_id)
         if self.quantized and self.world > 1 and device.type == "cpu":  # in flight with overlap_comm
-            entry = (self._reduce_quantized(members), None, members)
+            entry = (self._reduce_quantized(members, dtype), None, members)
             if self.overlap:
                 self.pending.append(entry)
             else:
                 self._complete(entry)
             return
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
-        buf = torch.zeros(self.world * block, dtype=self.dtype, device=device)
+        buf = torch.zeros(self.world * block, dtype=dtype, device=device)
         grads = [_full_grad(zp) for zp in members]
         for p in pieces:
             buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
@@ -199,7 +208,7 @@ class ShardReducer(StreamingReducer):
                     at += zp.shard_numel
                 buf = reduce_scatter_per_piece(buf, block, layout, self.pg, self.rank, self.world, self.hierarchy)
             elif buf.is_cuda:
-                out = torch.empty(block, dtype=self.dtype, device=buf.device)
+                out = torch.empty(block, dtype=dtype, device=buf.device)
                 handle = comm.reduce_scatter_tensor(out, buf, group=self.pg, async_op=self.overlap)
                 buf = out
             else:
@@ -212,10 +221,10 @@ class ShardReducer(StreamingReducer):
         else:
             self._complete(entry)
 
-    def _reduce_quantized(self, members):
+    def _reduce_quantized(self, members, dtype: torch.dtype):
         """qgZ on CPU: this rank's block as an fp32 sum (a PendingReduce), packed straight from the full
         gradients, which are then freed (quantized_reduce.py; with ``hierarchy``, two levels)."""
-        grads = [_full_grad(zp).to(self.dtype).contiguous() for zp in members]
+        grads = [_full_grad(zp).to(dtype).contiguous() for zp in members]
         if self.avg.pre != 1.0:
             grads = [g * self.avg.pre for g in grads]
         for zp in members:

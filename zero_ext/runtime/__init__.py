@@ -7,6 +7,7 @@ Files:
 - eigenvalue.py: DeepSpeedConfig's ``eigenvalue_*`` attributes (MoQ's settings, DeepSpeed's defaults).
 - config_utils.py: ``deepspeed.runtime.config_utils`` (DeepSpeedConfigModel, the base of config sections).
 - precision_config.py: ``deepspeed.runtime.precision_config`` (get_bfloat16_config, get_float16_config).
+- torch_autocast.py: ``deepspeed.runtime.torch_autocast`` (the torch_autocast names, precision/autocast.py).
 - lr_schedules.py: ``deepspeed.runtime.lr_schedules`` (the five schedulers, VALID_LR_SCHEDULES).
 - zero/: ``deepspeed.runtime.zero`` and its modules.
 """

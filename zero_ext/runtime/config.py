@@ -11,6 +11,8 @@ initialised process group, else 1. The attributes below are the ones scripts and
 """
 from typing import Any, Dict, Optional, Union
 
+import torch
+
 from ..comm import get_rank, get_world_size, is_initialized
 from ..config import ConfigError, load_config
 from ..config.batch import resolve_batch
@@ -79,6 +81,19 @@ class DeepSpeedConfig:
     @property
     def loss_scale(self) -> float:
         return self.config.fp16.loss_scale if self.config.fp16.enabled else 1.0
+
+    @property
+    def torch_autocast_enabled(self) -> bool:
+        return self.config.torch_autocast.enabled
+
+    @property
+    def torch_autocast_dtype(self):
+        """The configured autocast dtype as a torch dtype (None when not given), as DeepSpeed's."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.torch_autocast.dtype)
+
+    @property
+    def torch_autocast_lower_precision_safe_modules(self):
+        return self.config.torch_autocast.lower_precision_safe_modules
 
     @property
     def gradient_clipping(self) -> float:

@@ -16,6 +16,7 @@ Files, one noun each (docs/zero3.md has the design):
   kept as int8 (zero_quantized_nontrainable_weights).
 - fetch.py: fetch/release and the fetch-order agreement between ranks.
 - convert.py: whole -> partitioned (zero.Init, ZeroModel).
+- linear.py: DeepSpeed's LinearModuleForZeroStage3 (autocast-aware Linear; never swapped in).
 - mics.py: MiCS's shard, replica and node groups (mics_shard_size), the registry naming a shard group's
   layout.
 - init.py: zero.Init and zero.MiCS_Init; materialise.py: its torch calls on the full value of partitioned parameters.

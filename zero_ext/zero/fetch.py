@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from ..comm import native
+from ..precision.autocast import get_allgather_dtype, get_comm_dtype
 from . import collectives, internal, mics
 from .param import ZeroParam, zero_param_by_ds_id
 from .status import FetchKind, ZeroParamStatus
@@ -118,8 +119,21 @@ def _gather_async(bucket: List[ZeroParam], outputs: List[torch.Tensor], group, q
                   by_all_reduce: bool = False):
     """The all-gather of ``bucket``'s pieces over their group: flat, as an all-reduce of zero-filled
     blocks (stage3_use_all_reduce_for_fetch_params), or in two levels for a MiCS shard group spanning
-    nodes with mics_hierarchical_params_gather (zero/mics.py)."""
+    nodes with mics_hierarchical_params_gather (zero/mics.py). A bucket of torch_autocast parameters
+    travels in their comm_dtype: the pieces cast down, the gathered values copied back into the
+    parameters' own dtype (DeepSpeed's get_allgather_dtype)."""
     pieces, numels = [zp.read_piece() for zp in bucket], [zp.numel for zp in bucket]
+    dtype = get_allgather_dtype(bucket[0].param, pieces[0])
+    if dtype != outputs[0].dtype and not quantized:
+        own = outputs
+        pieces = [p.to(dtype) for p in pieces]
+        outputs = [torch.empty(o.shape, dtype=dtype, device=o.device) for o in own]
+        inner = _gather_pieces(pieces, outputs, numels, group, quantized, by_all_reduce)
+        return collectives.PendingGather(inner, lambda: [o.copy_(t) for o, t in zip(own, outputs)])
+    return _gather_pieces(pieces, outputs, numels, group, quantized, by_all_reduce)
+
+
+def _gather_pieces(pieces, outputs, numels, group, quantized: bool, by_all_reduce: bool):
     layout = mics.of(group)
     if layout is not None and layout.hierarchy is not None and not (quantized or by_all_reduce):
         intra, inter, per_node = layout.hierarchy
@@ -174,7 +188,8 @@ def _buckets(params: Sequence[ZeroParam], training: bool) -> Dict[Tuple, List[Ze
         secondary = training and zp.secondary is not None and zp.secondary.holds(zp)
         quantized = training and zp.quantized_gathers and not secondary
         by_all_reduce = zp.gather_by_all_reduce and not (quantized or secondary)
-        out.setdefault((zp.group, zp.compute_device, zp.dtype, quantized, secondary, by_all_reduce), []).append(zp)
+        dtype = (zp.dtype, get_comm_dtype(zp.param))  # (torch_autocast's gather dtype)
+        out.setdefault((zp.group, zp.compute_device, dtype, quantized, secondary, by_all_reduce), []).append(zp)
     return out
 
 

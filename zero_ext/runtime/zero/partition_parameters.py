@@ -2,6 +2,7 @@
 import torch
 
 from ...accelerator import get_accelerator  # noqa: F401
+from ...precision.autocast import get_allgather_dtype  # noqa: F401
 from ...zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter  # noqa: F401
 from ...zero import unregister_external_parameter  # noqa: F401
 from ...zero.ds_param_methods import AllGatherCoalescedHandle, MultipleAllGatherHandles  # noqa: F401

@@ -1,0 +1,3 @@
+"""``deepspeed.runtime.zero.linear`` names (zero/linear.py)."""
+from ...zero.linear import (LinearFunctionForZeroStage3, LinearModuleForZeroStage3,  # noqa: F401
+                            autocast_custom_bwd, autocast_custom_fwd, noop_decorator, zero3_linear_wrap)
