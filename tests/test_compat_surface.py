@@ -298,6 +298,8 @@ def test_build_info_and_which_ops_exist(ds, tmp_path):
     assert info.installed_ops == ops and info.version == ds.__version__ and info.git_hash == ds.__git_hash__
     major, minor = (int(x) for x in info.torch_info["version"].split("."))
     assert (major, minor) == tuple(int(x) for x in torch.__version__.split(".")[:2])
+    if torch.version.cuda:  # the NCCL torch was built with, known without a GPU (DeepSpeed's bf16 test gate reads it)
+        assert info.torch_info["nccl_version"] == ".".join(str(x) for x in torch.cuda.nccl.version()[:2])
     assert is_current_accelerator_supported()
     assert required_torch_version(min_version=2.4) and not required_torch_version(max_version="1.13")
     assert required_torch_version(min_version=torch.__version__.split("+")[0], max_version="99")

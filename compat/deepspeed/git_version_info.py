@@ -16,7 +16,8 @@ def _major_minor(text):
 
 def _nccl():
     try:
-        return _major_minor(".".join(str(x) for x in torch.cuda.nccl.version())) if torch.cuda.is_available() else "0.0"
+        # the NCCL torch was built with, as DeepSpeed records it at install (no GPU needed to ask)
+        return _major_minor(".".join(str(x) for x in torch.cuda.nccl.version()))
     except (AttributeError, RuntimeError):
         return "0.0"
 
