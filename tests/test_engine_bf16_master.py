@@ -6,8 +6,9 @@ in fp32 from the bf16 master (and bf16 or fp32 moments) whose results are rounde
 dtype (what the CPU Adam does with bf16 tensors). Tolerance: one bf16 ulp of each value (rtol 2**-7,
 atol 1e-6): the ranks' bf16 reduction and accumulation may round a gradient differently from the
 reference's fp32 average, and a device step clips the bf16 gradient in bf16 where the CPU Adam
-scales it in fp32 (on this CPU run every case agrees bit for bit). An fp32-master run of the same config is off by up to ~5
-ulps in every element after 6 steps (checked below), so the comparison tells the two apart.
+scales it in fp32 (on this CPU run every case agrees bit for bit). An fp32-master run of the same
+config is off by up to ~5 ulps in every element after 6 steps (checked below), so the comparison tells
+the two apart.
 """
 import pytest
 import torch
@@ -327,3 +328,23 @@ def test_config_built_cpu_adam_is_switched_to_bf16_states():
     overrides["bf16"] = {"bf16_optimizer_states": False}
     overrides["zero_optimization"] = OFFLOAD
     assert run_ranks(1, _refusal, overrides)[0] == (None, None, {torch.float32})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_adam_for_bf16_masters_is_torchs_fused_kernel():
+    """On the device the config's Adam steps bf16 masters with torch's fused kernel (fp32 math, one rounding,
+    as DeepSpeed's FusedAdam), unless the params choose foreach / fused themselves."""
+    from zero_ext.config import load_config
+    from zero_ext.optim.factory import build_optimizer
+
+    p = torch.nn.Parameter(torch.randn(64, device="cuda", dtype=torch.bfloat16))
+    cfg = load_config(_config(2, True, False))
+    assert build_optimizer(cfg.optimizer, [{"params": [p]}], bf16_master=True).param_groups[0]["fused"]
+    assert not build_optimizer(cfg.optimizer, [{"params": [p]}]).param_groups[0]["fused"]
+    p.grad = torch.randn_like(p)
+    ref = p.detach().float().clone()
+    opt = build_optimizer(cfg.optimizer, [{"params": [p]}], bf16_master=True)
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+    assert not torch.equal(p.detach().float(), ref)

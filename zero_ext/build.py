@@ -319,7 +319,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
     elif optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
         base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),
-                               nvme=plan.optimizer_device == "nvme")
+                               nvme=plan.optimizer_device == "nvme",
+                               bf16_master=cfg.bf16.bf16_master_weights_and_grads)
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         check_client_params(model, base)
