@@ -7,7 +7,8 @@
   gives a torch-only argument (lr_decay, initial_accumulator_value, ...) the kernel does not have.
 - accelerator tensors: torch.optim. Adam and AdamW follow DeepSpeed: type "Adam" decouples weight decay
   (AdamW) unless ``adam_w_mode: false``. Other torch.optim names build that class with the given params;
-  Lion has only the C kernel, so it refuses accelerator tensors.
+  Lion has only the C kernel, so it refuses accelerator tensors. With bf16 masters (bf16_master.py) Adam(W)
+  on CUDA is torch's fused kernel (fp32 math, as DeepSpeed's FusedAdam) unless the params pick one.
 :func:`check_client_optimizer` is DeepSpeed's rule for a client optimizer with offload
 (``zero_force_ds_cpu_optimizer``).
 """
