@@ -234,6 +234,7 @@ def _checkpoint(stage, states, offload, path, resume):
     if resume:
         engine.load_checkpoint(path)
         loaded = {n: safe_get_full_fp32_param(p) for n, p in params}
+        loaded.update({f"exp_avg {n}": safe_get_full_optimizer_state(p, "exp_avg") for n, p in params})
     else:
         for step in range(3):
             engine.backward(engine.module.loss(_batch(step, 0, rank)))
@@ -263,6 +264,7 @@ def test_checkpoint_round_trip_is_exact(stage, states_bf16, offload, tmp_path):
     assert resumed["state_dtypes"] == straight["state_dtypes"] == {torch.bfloat16 if states_bf16 else torch.float32}
     for name, want in straight["master"].items():
         assert torch.equal(resumed["master"][name], want), name
+        assert resumed["loaded"][f"exp_avg {name}"].dtype == torch.float32  # (the routine widens)
         assert torch.equal(resumed["exp_avg"][name], straight["exp_avg"][name]), name
         assert saved[name].dtype == torch.float32  # zero_to_fp32 widens the bf16 masters
         assert torch.equal(saved[name], resumed["loaded"][name])
@@ -348,3 +350,38 @@ def test_device_adam_for_bf16_masters_is_torchs_fused_kernel():
     opt.step()
     assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
     assert not torch.equal(p.detach().float(), ref)
+
+
+def _reshard_and_set(path, stage):
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state, safe_set_full_fp32_param
+
+    torch.manual_seed(1)
+    model = MLP()
+    engine, opt, _, _ = zero_ext.initialize(model=model, model_parameters=_groups(model),
+                                            config=_config(stage, True, False))
+    engine.load_checkpoint(path, tag="t")
+    params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    out = {"loaded": {n: safe_get_full_fp32_param(p) for n, p in params},
+           "state_dtypes": {t.dtype for s in opt.optimizer.state.values() for t in s.values()
+                            if torch.is_tensor(t) and t.dim() > 0},
+           "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in params}}
+    name, p = params[0]
+    value = torch.full(tuple(getattr(p, "ds_shape", p.shape)), 1.0 + 2 ** -10)  # not a bf16 value: rounded
+    safe_set_full_fp32_param(p, value)
+    out["set"] = safe_get_full_fp32_param(p)
+    engine.destroy()
+    return out
+
+
+def test_checkpoint_loads_into_another_world_size_and_safe_set_rounds_to_bf16(tmp_path):
+    """2 ranks save at stage 2, 1 rank loads at stage 3: bf16 masters and bf16 moments resharded exactly."""
+    path = str(tmp_path)
+    straight = run_ranks(2, _checkpoint, 2, True, False, path, False)[0]
+    resumed = run_ranks(2, _checkpoint, 2, True, False, path, True)[0]
+    out = run_ranks(1, _reshard_and_set, path, 3)[0]
+    assert out["state_dtypes"] == {torch.bfloat16}
+    for name in straight["master"]:
+        assert torch.equal(out["loaded"][name], resumed["loaded"][name]), name
+        assert torch.equal(out["exp_avg"][name], resumed["loaded"][f"exp_avg {name}"]), name
+    assert torch.equal(out["set"], torch.full_like(out["set"], 1.0))  # 1 + 2**-10 rounds to 1 in bf16
