@@ -385,3 +385,30 @@ def test_checkpoint_loads_into_another_world_size_and_safe_set_rounds_to_bf16(tm
         assert torch.equal(out["loaded"][name], resumed["loaded"][name]), name
         assert torch.equal(out["exp_avg"][name], resumed["loaded"][f"exp_avg {name}"]), name
     assert torch.equal(out["set"], torch.full_like(out["set"], 1.0))  # 1 + 2**-10 rounds to 1 in bf16
+
+
+def _load_into_fp32_masters(path):
+    import zero_ext
+    from zero_ext.utils import safe_get_full_fp32_param
+
+    torch.manual_seed(1)
+    model = MLP()
+    engine, opt, _, _ = zero_ext.initialize(model=model, model_parameters=_groups(model),
+                                            config=_config(2, False, False, master=False))
+    engine.load_checkpoint(path, tag="t")
+    out = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if p.requires_grad}
+    dtypes = {g.master.dtype for g in opt.flat_groups}
+    engine.backward(engine.module.loss(_batch(0, 0, torch.distributed.get_rank())))
+    engine.step()  # (the loaded bf16 moments serve the fp32 optimizer)
+    engine.destroy()
+    return out, dtypes
+
+
+def test_bf16_master_checkpoint_loads_into_fp32_masters(tmp_path):
+    path = str(tmp_path)
+    run_ranks(2, _checkpoint, 2, True, False, path, False)
+    resumed = run_ranks(2, _checkpoint, 2, True, False, path, True)[0]
+    out, dtypes = run_ranks(2, _load_into_fp32_masters, path)[0]
+    assert dtypes == {torch.float32}
+    for name, value in out.items():
+        assert torch.equal(value, resumed["loaded"][name]), name
