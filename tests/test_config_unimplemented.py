@@ -36,12 +36,6 @@ CASES = {
         True),
     "bf16.immediate_grad_update": ({"bf16": {"immediate_grad_update": True}}, True),
     "bf16.check_grad_overflow": ({"bf16": {"check_grad_overflow": False}}, False),
-    "bf16.bf16_master_weights_and_grads": (
-        {"bf16": {"bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}},
-        True),
-    "bf16.bf16_optimizer_states": (
-        {"bf16": {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-         "zero_optimization": {"stage": 1}}, True),
     "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "fp32"}}, "fp32"),
     "communication_data_type": ({"communication_data_type": "fp32"}, "fp32"),
     "optimizer.type": ({"optimizer": {"type": "Lamb"}}, "lamb"),

@@ -86,12 +86,15 @@ def _reference(train_base: bool, world: int):
     return losses, {"base": ref.base.detach().float(), "a": ref.a.detach(), "b": ref.b.detach()}
 
 
-def _train(train_base: bool):
+def _train(train_base: bool, bf16_masters: bool = False):
     import zero_ext
     from zero_ext.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     rank, world = zero_ext.comm.get_rank(), zero_ext.comm.get_world_size()
-    engine = _build(train_base, _config())
+    config = _config()
+    if bf16_masters:
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    engine = _build(train_base, config)
     out = {"built": _dtypes(engine.module)}
     losses = []
     for i, (x, t) in enumerate(_batches(rank, world)[1]):
@@ -207,3 +210,13 @@ def test_checkpoint_round_trip_keeps_each_dtype(tmp_path):
         assert o["dtypes"]["a"] == (torch.float32, torch.float32)
         assert o["dtypes"]["base"] == (torch.bfloat16, torch.bfloat16)
     assert out[0]["loss"] == out[1]["loss"]
+
+
+def test_fp32_adapters_keep_fp32_masters_when_the_bf16_model_has_bf16_masters():
+    """bf16_master_weights_and_grads is for the 16-bit parameters: the fp32 adapters of a frozen bf16 base
+    train exactly as in fp32 (a bf16 master would round every update)."""
+    results = run_ranks(2, _train, False, True)
+    ref_losses, ref_params = results[0]["reference"]
+    assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+    for name in ("a", "b"):
+        assert torch.allclose(results[0]["params"][name], ref_params[name], atol=1e-6, rtol=0), name

@@ -44,6 +44,8 @@ from .optim.loss_scaler import gradscaler_like, scaler_from_config
 from .optim.muon import MuonWithAuxAdam, muon_param_groups
 from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
+from .optim import bf16_master
+from .optim.bf16_master import master_dtype
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .precision.autocast import mark_safe_params, record_initialized, resolve_dtype
@@ -71,6 +73,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     _hand_over(model)
     device = compute_device()
     plan = OffloadPlan(cfg.zero_optimization)
+    bf16_master.check_config(cfg, plan)
     was_partitioned = {id(p) for p in model.parameters() if zero_param_of(p) is not None}
     made = _Made()
     try:
@@ -352,7 +355,8 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
     elif optimizer is None:
         # host tensors (offloaded, or a CPU run) step on the C optimizer unless the config asks for torch's
         base = build_optimizer(cfg.optimizer, groups, offloaded=bool(plan.optimizer),
-                               nvme=plan.optimizer_device == "nvme")
+                               nvme=plan.optimizer_device == "nvme",
+                               bf16_master=cfg.bf16.bf16_master_weights_and_grads)
     elif isinstance(optimizer, torch.optim.Optimizer):
         base = optimizer
         check_client_params(model, base)
@@ -367,6 +371,7 @@ def _base_optimizer(model, cfg, optimizer, groups, plan: OffloadPlan) -> Optiona
     check_zero_optimizer(base, cfg.zero_optimization.stage, cfg.zero_allow_untested_optimizer)
     if plan.optimizer and optimizer is not None:
         check_client_optimizer(base, cfg.zero_force_ds_cpu_optimizer)
+    bf16_master.check_base(cfg, base, plan, client=optimizer is not None)
     if plan.optimizer and plan.ratio < 1.0 and is_cpu_optimizer(base):
         base.device_params = True  # the sub-groups kept on the accelerator step with torch operations
     return base
@@ -406,7 +411,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
             replicas = mics.replica_group if mics.replicas > 1 else None
         on_group = (lambda k, g: _register_piece_group(nvme_pieces, cfg, k, g)) if nvme_pieces is not None else None
         _, groups = build_shard_groups(base, zero_model, zc.sub_group_size, rank, world, plan=plan,
-                                       on_group=on_group, process_group=pg)
+                                       on_group=on_group, process_group=pg, master_dtype=master_dtype(cfg))
         averaging = _averaging(cfg, everyone, groups[0].dtype, zc.stage)
         # qgZ in two levels across nodes; in one inside a MiCS shard group or an mpu's data-parallel group
         hierarchy = _qgz_hierarchy(zc, world) if zc.zero_quantized_gradients and pg is None else None
@@ -425,7 +430,8 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                 group["params"] = []
                 continue
             g = FlatGroup(trainable, world, rank, partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2,
-                          device=device, host=host, accum_fp32=cfg.data_types.grad_accum_dtype == "fp32")
+                          device=device, host=host, accum_fp32=cfg.data_types.grad_accum_dtype == "fp32",
+                          master_dtype=master_dtype(cfg))
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]

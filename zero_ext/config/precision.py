@@ -67,9 +67,13 @@ class BF16Config(ConfigModel):
     check_grad_overflow: bool = option(
         True, "Stages 1-2: skip the step when gradients overflow (inf/nan).")
     bf16_master_weights_and_grads: bool = option(
-        False, "Keep master weights and gradients in bf16 (ZeRO stages 1-3).")
+        False, "Keep the master weights and the gradient partitions in bf16 instead of fp32 (ZeRO stages "
+        "1-3). Needs bf16_optimizer_states, or offload_optimizer device cpu with the CPU Adam (which "
+        "keeps fp32 optimizer states). zero_ext: the master is the parameters' own partition unless "
+        "offloaded; NVMe optimizer offload, offload ratio < 1 and Muon are refused (docs/precision.md).")
     bf16_optimizer_states: bool = option(
-        False, "Keep optimizer states in bf16 (needs bf16_master_weights_and_grads).")
+        False, "Keep optimizer states (Adam's moments) in bf16 (needs bf16_master_weights_and_grads; a "
+        "CPU Adam is built with fp32_optimizer_states false, a client's must be).")
 
     @model_validator(mode="after")
     def _states_need_master(self) -> "BF16Config":

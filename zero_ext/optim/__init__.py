@@ -1,4 +1,4 @@
-"""zero_ext.optim: the optimizer side of ZeRO: partitions of the fp32 state, gradient reduction, the step.
+"""zero_ext.optim: the optimizer side of ZeRO: partitions of the master state, gradient reduction, the step.
 
 Files:
 - zero_optimizer.py: ZeroOptimizer, the one optimizer of every stage: owns the groups, reduces, clips,
@@ -17,6 +17,8 @@ Files:
 - wall_clock.py: wall_clock_breakdown's per-phase timers (DeepSpeed's names) and their report.
 - throughput.py: ThroughputTimer, the engine's tput_timer (DeepSpeed's samples-per-second timer).
 - grad_views.py: DeepSpeed's gradient attributes (averaged_gradients, get_fp32_grad_partitions), a mixin.
+- bf16_master.py: bf16.bf16_master_weights_and_grads / bf16_optimizer_states: the master dtype and
+  DeepSpeed's rules for them (offload with the CPU Adam unless the optimizer states are bf16).
 - factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
   the rules for a client's optimizer.
 """

@@ -7,7 +7,8 @@
   gives a torch-only argument (lr_decay, initial_accumulator_value, ...) the kernel does not have.
 - accelerator tensors: torch.optim. Adam and AdamW follow DeepSpeed: type "Adam" decouples weight decay
   (AdamW) unless ``adam_w_mode: false``. Other torch.optim names build that class with the given params;
-  Lion has only the C kernel, so it refuses accelerator tensors.
+  Lion has only the C kernel, so it refuses accelerator tensors. With bf16 masters (bf16_master.py) Adam(W)
+  on CUDA is torch's fused kernel (fp32 math, as DeepSpeed's FusedAdam) unless the params pick one.
 :func:`check_client_optimizer` is DeepSpeed's rule for a client optimizer with offload
 (``zero_force_ds_cpu_optimizer``).
 """
@@ -30,14 +31,15 @@ _TORCH_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "foreach", 
 
 
 def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool = False,
-                    nvme: bool = False) -> torch.optim.Optimizer:
+                    nvme: bool = False, bf16_master: bool = False) -> torch.optim.Optimizer:
     """The optimizer the config's ``optimizer`` section asks for, over ``param_groups``; ``offloaded``:
     the engine steps host copies of them (optimizer offload), wherever the parameters are; ``nvme``: the
-    offload goes to NVMe, whose streamed step takes torch_adam's Adam(W) as TorchStepped."""
+    offload goes to NVMe, whose streamed step takes torch_adam's Adam(W) as TorchStepped; ``bf16_master``:
+    it will step bf16 masters (optim/bf16_master.py)."""
     on_host = offloaded or all(p.device.type == "cpu" for g in param_groups for p in g["params"])
     base = _c_optimizer(opt_cfg, param_groups) if on_host else None
     if base is None:
-        base = _torch_optimizer(opt_cfg, param_groups)
+        base = _torch_optimizer(opt_cfg, param_groups, bf16_master)
         if nvme and type(base) in (torch.optim.Adam, torch.optim.AdamW):
             base = TorchStepped(base)
     return base
@@ -62,9 +64,14 @@ def _c_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[CPUOpt
     return None
 
 
-def _torch_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> torch.optim.Optimizer:
+def _torch_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], bf16_master: bool = False) -> torch.optim.Optimizer:
     # DeepSpeed's defaults where the config is silent (its Adam decays 0.0; torch's AdamW 0.01)
     params = opt_cfg.params_with_defaults()
+    if opt_cfg.is_adam and bf16_master and not any(k in params for k in ("fused", "foreach")) and \
+            all(p.is_cuda for g in param_groups for p in g["params"]):
+        # bf16 masters: torch's fused kernel computes the update in fp32 and rounds once, as DeepSpeed's
+        # FusedAdam does; the foreach one would round every intermediate to bf16
+        params = {**params, "fused": True}
     if opt_cfg.is_adam:
         if params.get("bias_correction", True) is False:
             raise ConfigError("optimizer.params.bias_correction = false is not implemented by torch.optim's Adam "

@@ -4,10 +4,12 @@
 - ``flat``: every trainable parameter of the group laid end to end in the model's dtype, padded to the
   planner's layout (csrc/planner.c); each parameter's ``.data`` is a view of it, so the model computes
   on it unchanged and one all-gather refreshes all of it after a step.
-- ``master``: this rank's fp32 partition ``[lo, hi)`` of ``flat``, the tensor the optimizer updates.
-  When the model itself is fp32 the master *is* ``flat[lo:hi]`` (a view, no copy): the update lands in
-  the parameters directly, and fp32 training holds no second copy of its partition.
-- ``grad``: this rank's fp32 gradient partition (``master.grad``), where reduced gradients accumulate.
+- ``master``: this rank's partition ``[lo, hi)`` of ``flat`` in the master dtype (fp32; bf16 with
+  ``bf16.bf16_master_weights_and_grads``, optim/bf16_master.py), the tensor the optimizer updates.
+  When the model's dtype is the master dtype the master *is* ``flat[lo:hi]`` (a view, no copy): the
+  update lands in the parameters directly, and no second copy of the partition is held.
+- ``grad``: this rank's gradient partition in the master dtype (``master.grad``), where reduced
+  gradients accumulate.
   Stage 2 frees it after an applied step and makes it again, zeroed, when the next backward's first
   bucket lands (``free_grad`` / ``ensure_grad``): between steps it would only hold zeros.
 - With optimizer offload (``host``, offload/plan.py) ``master`` and ``grad`` are host-memory tensors of their
@@ -31,7 +33,7 @@ from ..offload.plan import HostMemory
 class FlatGroup:
     def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int, partitioned: bool,
                  keep_lp_grads: bool, device: torch.device, host: Optional[HostMemory] = None,
-                 accum_fp32: bool = False):
+                 accum_fp32: bool = False, master_dtype: torch.dtype = torch.float32):
         self.params = params
         self.numels = [p.numel() for p in params]
         self.world, self.rank, self.partitioned = world, rank, partitioned
@@ -48,12 +50,14 @@ class FlatGroup:
         for p, off, n in zip(params, self.offsets, self.numels):
             self.flat[off:off + n].copy_(p.data.reshape(-1))
             p.data = self.flat[off:off + n].view(p.shape)
-        fp32 = self.dtype == torch.float32
+        self.master_dtype = master_dtype
+        fp32 = self.dtype == master_dtype  # (the name says the common case: the model is in the master dtype)
         self.offloaded = host is not None
         if self.offloaded:
-            self.master = host.copy_of(self.flat[self.lo:self.hi])
+            self.master = host.copy_of(self.flat[self.lo:self.hi], master_dtype)
         else:
-            self.master = self.flat[self.lo:self.hi] if fp32 else self.flat[self.lo:self.hi].float()
+            own = self.flat[self.lo:self.hi]
+            self.master = own if fp32 else own.to(master_dtype)
         self.lp_grad = self.acc_grad = None
         if keep_lp_grads:
             self.lp_grad = torch.zeros(self.padded, dtype=self.dtype, device=device)
@@ -62,25 +66,25 @@ class FlatGroup:
                 self.acc_grad = torch.zeros(self.padded, dtype=torch.float32, device=device)
         # fp32 models reduce straight into their own gradient buffer's partition: no second copy
         if self.offloaded:
-            self.grad = host.zeros(self.part)
+            self.grad = host.zeros(self.part, master_dtype)
         elif keep_lp_grads and fp32:
             self.grad = self.lp_grad[self.lo:self.hi]
         elif self.acc_grad is not None:
             self.grad = self.acc_grad[self.lo:self.hi]
         else:
-            self.grad = torch.zeros(self.part, dtype=torch.float32, device=device)
+            self.grad = torch.zeros(self.part, dtype=master_dtype, device=device)
         self.master.grad = self.grad
         self.host = host
 
     def free_grad(self) -> None:
-        """Drops the fp32 gradient partition (stage 2, after the step); ``ensure_grad`` makes it again."""
+        """Drops the gradient partition (stage 2, after the step); ``ensure_grad`` makes it again."""
         self.grad = None
         self.master.grad = None
 
     def ensure_grad(self) -> torch.Tensor:
-        """The fp32 gradient partition, made (zeroed) if ``free_grad`` dropped it."""
+        """The gradient partition, made (zeroed) if ``free_grad`` dropped it."""
         if self.grad is None:
-            self.grad = torch.zeros(self.part, dtype=torch.float32, device=self.flat.device)
+            self.grad = torch.zeros(self.part, dtype=self.master_dtype, device=self.flat.device)
             self.master.grad = self.grad
         return self.grad
 
@@ -118,15 +122,16 @@ class FlatGroup:
         return self._piece_of.get(i)
 
     def copy_master_to_params(self) -> None:
-        """Writes the updated fp32 partition into the model's dtype (a no-op when they are one tensor)."""
+        """Writes the updated master partition into the model's dtype (a no-op when they are one tensor)."""
         own = self.flat[self.lo:self.hi]
         if self.master.data_ptr() != own.data_ptr() and not cuda.cast_into(own, self.master):
             own.copy_(self.master)  # CPU, or no CUDA library: torch's copy (on CUDA: kernels/cast.cu)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Sum of squares of this rank's fp32 gradient partition (padding is zero), as an fp64 scalar.
-        One fp32 norm kernel, squared in fp64: no partition-sized temporary."""
-        return torch.linalg.vector_norm(self.grad).double() ** 2
+        """Sum of squares of this rank's gradient partition (padding is zero), as an fp64 scalar.
+        One norm kernel accumulating in fp32 (bf16 gradients too), squared in fp64: no partition-sized
+        temporary."""
+        return torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() ** 2
 
     def tensors(self):
         """(kind, tensor) of every tensor this group holds, for memory accounting."""

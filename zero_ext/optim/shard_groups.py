@@ -4,8 +4,9 @@ The parameter side — pieces, gathering around each module, zero.Init — is ze
 Here:
 - ``ShardGroup``: one optimizer sub-group (planner.sub_groups: whole parameters, DeepSpeed's
   boundaries). Its parameters' pieces are moved back to back into one buffer (DeepSpeed's
-  "defragmentation"), so the fp32 master of the sub-group is one tensor — the buffer itself when the
-  model is fp32 — and so is its fp32 gradient partition. It has FlatGroup's interface, so the step
+  "defragmentation"), so the master of the sub-group (fp32, or bf16 with bf16_master_weights_and_grads)
+  is one tensor — the buffer itself when the model is in the master dtype — and so is its gradient
+  partition (in the master dtype). It has FlatGroup's interface, so the step
   pipeline (zero_optimizer.py) and the state routines (utils/safe_state.py) serve stage 3 unchanged.
 - ``ShardReducer``: each parameter's full gradient (handed over by ZeroModel once per backward) goes
   into a bucket; a full bucket is laid out rank-major (planner.shard_bucket_pieces: rank r's block
@@ -40,7 +41,8 @@ class ShardGroup:
     partitioned = True
     lp_grad = None
 
-    def __init__(self, zparams, rank: int, world: int, host=None, process_group=None):
+    def __init__(self, zparams, rank: int, world: int, host=None, process_group=None,
+                 master_dtype: torch.dtype = torch.float32):
         self.zparams = zparams
         self.pg = process_group  # the partition group (the world, or a MiCS shard group)
         self.params = [zp.param for zp in zparams]
@@ -58,16 +60,16 @@ class ShardGroup:
         self.flat = torch.zeros(total, dtype=self.dtype, device=device)
         for zp, off, s in zip(zparams, self.offsets, self.shards):
             zp.replace_shard(self.flat[off:off + s])
-        fp32 = self.dtype == torch.float32
+        self.master_dtype = master_dtype  # fp32, or bf16 with bf16_master_weights_and_grads (optim/bf16_master.py)
         # with optimizer offload (offload/plan.py) the master and gradient partition are host tensors of their own
         self.offloaded = host is not None
         self.host = host
         if self.offloaded:
-            self.master = host.copy_of(self.flat)
-            self.grad = host.zeros(total)
-        else:
-            self.master = self.flat if fp32 else self.flat.float()
-            self.grad = torch.zeros(total, dtype=torch.float32, device=device)
+            self.master = host.copy_of(self.flat, master_dtype)
+            self.grad = host.zeros(total, master_dtype)
+        else:  # the model in the master dtype: the master is the pieces themselves
+            self.master = self.flat if self.dtype == master_dtype else self.flat.to(master_dtype)
+            self.grad = torch.zeros(total, dtype=master_dtype, device=device)
         self.master.grad = self.grad
         self._hooks = [zp.register_update_hook(self._piece_overwritten) for zp in zparams]
 
@@ -96,7 +98,7 @@ class ShardGroup:
             self.flat.copy_(self.master)  # CPU, or no CUDA library: torch's copy (on CUDA: kernels/cast.cu)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return torch.linalg.vector_norm(self.grad).double() ** 2
+        return torch.linalg.vector_norm(self.grad, dtype=torch.float32).double() ** 2
 
     def tensors(self):
         return [("params", self.flat), ("fp32_master", self.master), ("fp32_grads", self.grad)]
@@ -287,7 +289,7 @@ def _by_dtype(zps) -> List[List]:
 
 
 def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: int, rank: int, world: int,
-                       plan=None, on_group=None, process_group=None):
+                       plan=None, on_group=None, process_group=None, master_dtype: torch.dtype = torch.float32):
     """Replaces each base param group's parameters by the fp32 masters of its sub-groups; returns
     (groups per base group — lists of ShardGroup —, all ShardGroups in order). ``plan`` (an
     OffloadPlan) says which sub-groups keep their master and gradients in host memory; ``on_group(k, g)``
@@ -312,7 +314,11 @@ def build_shard_groups(base: torch.optim.Optimizer, zero_model, sub_group_size: 
         on_host = plan.host_subgroups([sum(z.numel for z in m) for m in members]) if plan else [False] * len(members)
         subs = []
         for m, h in zip(members, on_host):
-            subs.append(ShardGroup(m, rank, world, host=plan.host if h else None, process_group=process_group))
+            # bf16 masters are for 16-bit parameters: an fp32 parameter (a mixed-dtype model's adapter) keeps
+            # an fp32 master, itself
+            own = torch.float32 if m[0].dtype == torch.float32 else master_dtype
+            subs.append(ShardGroup(m, rank, world, host=plan.host if h else None, process_group=process_group,
+                                   master_dtype=own))
             if on_group is not None:  # (offload_param nvme: its pieces go to their swap file at once)
                 on_group(len(flat) + len(subs) - 1, subs[-1])
         group["params"] = [s.master for s in subs]
