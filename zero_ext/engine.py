@@ -35,6 +35,7 @@ from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.coalesce import coalesced
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
@@ -115,7 +116,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
         self._failed: Optional[str] = None  # why this engine cannot go on (an NVMe write failed mid-step)
-        self._no_sync = False
+        self._no_sync: Optional[str] = None  # inside no_sync() or coalesce_grad_reduction(): that name
         self.offload = offload  # ZeRO-Offload placement (offload/plan.py)
         self.training_dataloader = training_dataloader
         self.optimizer = optimizer
@@ -160,6 +161,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         exist and, at stages 0/1, that this is the boundary, then averages them across ranks (once; at
         stages 0/1 no backward may follow before the step). Returns the ZeroOptimizer."""
         self._advance("read_gradients", what)
+        if self._no_sync == "coalesce_grad_reduction":
+            raise EngineUsageError(f"{what}: inside engine.coalesce_grad_reduction() the gradients are not averaged "
+                                   "yet (that happens when the block ends); read them after the block")
         stage = self.zero_optimization_stage()
         if stage < 2 and not self.is_gradient_accumulation_boundary():
             raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
@@ -235,17 +239,27 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip gradient reduction (DeepSpeed's API). Stages 0/1 reduce only at
-        the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it."""
+        the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it (for
+        several backward passes with one reduction at any stage: coalesce_grad_reduction())."""
         if self.zero_optimization_stage() >= 2:
             raise EngineUsageError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only)")
+                               "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only); "
+                               "engine.coalesce_grad_reduction() defers the reduction at every stage")
         if self._no_sync:  # (the inner block's exit would end the outer one)
-            raise EngineUsageError("engine.no_sync(): already inside no_sync(); nesting it is not supported")
-        self._no_sync = True
+            raise EngineUsageError(f"engine.no_sync(): already inside engine.{self._no_sync}(); nesting these "
+                                   "blocks is not supported")
+        self._no_sync = "no_sync"
         try:
             yield
         finally:
-            self._no_sync = False
+            self._no_sync = None
+
+    def coalesce_grad_reduction(self):
+        """A block of several backward passes whose gradients are reduced once, when it ends; the
+        engine.step() after it applies them (DeepSpeed's API; optim/coalesce.py)."""
+        return coalesced(self)
+
+    pipeline_parallelism = False  # DeepSpeed's flag: there is no pipeline engine here
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Changes the global batch by changing the accumulation steps (the micro batch stays)."""
@@ -347,9 +361,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
 
     def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
-        if self._no_sync:
-            raise EngineUsageError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
-                               "must be reduced before a step)")
+        if self._no_sync:  # (DeepSpeed's message names no_sync for both blocks; so does ours)
+            raise EngineUsageError(f"engine.step() inside engine.{self._no_sync}() (a no_sync block): leave the block "
+                                   "first (gradients must be reduced before a step)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self._refuse_gradients_from_outside_backward()
