@@ -18,7 +18,7 @@ DS_TOP_DEFAULTS = {
     "gradient_allreduce_op": "mean", "communication_data_type": None,
     "seq_parallel_communication_data_type": "fp32", "sparse_gradients": False,
     "disable_allgather": False, "zero_allow_untested_optimizer": False,
-    "zero_force_ds_cpu_optimizer": True, "steps_per_print": None, "wall_clock_breakdown": False,
+    "zero_force_ds_cpu_optimizer": True, "steps_per_print": None, "wall_clock_breakdown": False, "log_level": None,
     "dataloader_drop_last": False, "graph_harvesting": False,
     "use_data_before_expert_parallelism": False, "sequence_parallel_size": None,
     "data_parallel_size": None, "optimizer": None, "scheduler": None, "allgather_size": None,

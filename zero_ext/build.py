@@ -98,6 +98,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     engine.mpu, engine.world_size, engine.dp_world_size = mpu, world, world  # (DeepSpeed's: the data-parallel size)
+    if cfg.log_level is not None:  # (checked by the config: one of logging's level names, any case)
+        logging.getLogger("zero_ext").setLevel(cfg.log_level.upper())
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
         for name in ("reduce", "finish_backward"):
             if hasattr(made.zopt.reducer, name):

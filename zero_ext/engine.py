@@ -35,7 +35,7 @@ from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
-from .optim.coalesce import coalesced
+from .optim.coalesce import check_coalesce, deferred_reduction
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
@@ -254,10 +254,18 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         finally:
             self._no_sync = None
 
+    @contextlib.contextmanager
     def coalesce_grad_reduction(self):
         """A block of several backward passes whose gradients are reduced once, when it ends; the
         engine.step() after it applies them (DeepSpeed's API; optim/coalesce.py)."""
-        return coalesced(self)
+        check_coalesce(self, self._no_sync)
+        self._require_optimizer("coalesce_grad_reduction")
+        self._no_sync = "coalesce_grad_reduction"
+        try:
+            with deferred_reduction(self.optimizer.reducer):
+                yield
+        finally:
+            self._no_sync = None
 
     pipeline_parallelism = False  # DeepSpeed's flag: there is no pipeline engine here
 

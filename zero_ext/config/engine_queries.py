@@ -29,6 +29,10 @@ class ConfigQueries:
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
+    def log_level(self):
+        """The config's log_level as given (None when absent), as DeepSpeed's engine answers."""
+        return self._config.log_level
+
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 

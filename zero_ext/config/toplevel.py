@@ -96,6 +96,9 @@ class DeepSpeedConfig(ConfigModel):
         "when unset); engine.get_wall_clock_timers() returns them.",
         ds_note="DeepSpeed prints the micro-step line at every step() call and the global line at "
         "every optimizer step.")
+    log_level: Optional[str] = option(
+        None, "Level of the zero_ext logger (deepspeed.utils.logger): debug, info, warning, error or critical "
+        "(any case), set when the engine is built; null leaves it as it is.")
     dataloader_drop_last: bool = option(
         False, "The engine's data loader drops the last incomplete batch.")
     graph_harvesting: bool = option(False, "Capture the step in CUDA graphs.")
@@ -185,7 +188,7 @@ class DeepSpeedConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> "DeepSpeedConfig":
-        problems = list(_precision_rules(self)) + list(_reduction_rules(self))
+        problems = list(_precision_rules(self)) + list(_reduction_rules(self)) + list(_logging_rules(self))
         _warn_unused_with_sum(self)
         if self.optimizer is not None and self.optimizer.type in NOT_WITH_ZERO \
                 and self.zero_optimization.stage > 0:
@@ -293,6 +296,14 @@ def _precision_rules(cfg: DeepSpeedConfig):
                          ("bf16", "bf16_optimizer_states")):
         if getattr(getattr(cfg, section), key) and stage == 0:
             yield (f"{section}.{key}", True, "needs ZeRO stage 1, 2 or 3 (stage is 0)")
+
+
+LOG_LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")  # (utils/logging.py maps them)
+
+
+def _logging_rules(cfg: DeepSpeedConfig):
+    if cfg.log_level is not None and str(cfg.log_level).lower() not in LOG_LEVEL_NAMES:
+        yield ("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVEL_NAMES)} (any case)")
 
 
 def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:

@@ -11,31 +11,33 @@ Stages 0 and 1 reduce only at the accumulation boundary anyway: for them the blo
 Rules (as DeepSpeed's): ``engine.step()`` inside the block raises; it does not nest with itself or with
 ``engine.no_sync()``; one block is one optimizer step. Where we differ: the ``safe_get_*`` gradient
 routines raise inside the block (the averaged gradient does not exist yet; DeepSpeed returns the local,
-unaveraged one), and an exception inside the block drops the deferred gradients instead of reducing them
-(a rank that raised would leave the others waiting in the reduction).
+unaveraged one), an exception inside the block drops the deferred gradients instead of reducing them
+(a rank that raised would leave the others waiting in the reduction), and stage 0 and bf16 with
+``grad_accum_dtype: fp32`` are accepted (DeepSpeed refuses them: its optimizers for those cases lack
+the hooks it defers).
 """
 import contextlib
 
 from ..config.errors import EngineUsageError
 
 
-@contextlib.contextmanager
-def coalesced(engine):
+def check_coalesce(engine, inside: str) -> None:
+    """Raises if the block cannot start; ``inside``: the no_sync-like block the engine is in, or None."""
     if getattr(engine, "pipeline_parallelism", False):
         raise NotImplementedError("engine.coalesce_grad_reduction() is not supported under pipeline parallelism")
-    engine._require_optimizer("coalesce_grad_reduction")
-    if engine._no_sync:
-        raise EngineUsageError(f"engine.coalesce_grad_reduction() cannot be nested inside engine.{engine._no_sync}(): "
+    if inside:
+        raise EngineUsageError(f"engine.coalesce_grad_reduction() cannot be nested inside engine.{inside}(): "
                                "leave that block first (each block is one optimizer step)")
-    reducer = engine.optimizer.reducer
-    engine._no_sync = "coalesce_grad_reduction"
+
+
+@contextlib.contextmanager
+def deferred_reduction(reducer):
+    """The reducer keeps each backward's gradients until the block ends, then reduces them once; if the
+    block raises, they are dropped."""
     reducer.begin_deferral()
     try:
         yield
     except BaseException:
         reducer.end_deferral(flush=False)
         raise
-    else:
-        reducer.end_deferral(flush=True)
-    finally:
-        engine._no_sync = None
+    reducer.end_deferral(flush=True)
