@@ -1,0 +1,58 @@
+"""DeepSpeed's ZeRO-3 linear function (``deepspeed.runtime.zero.linear``): ``zero3_linear_wrap(input,
+weight, bias=None)`` computes ``F.linear`` through ``LinearFunctionForZeroStage3``, an autograd Function
+that saves only its inputs and recomputes nothing.
+
+zero_ext's ZeRO-3 does not need it: its hooks gather a parameter again before any backward that uses it,
+whatever autograd saved (zero/hooks.py), so plain ``F.linear`` is what its models run. It is here for
+code that calls DeepSpeed's function by name. As DeepSpeed's: it works under ``torch.func`` transforms
+(``setup_context`` and a generated vmap rule), and its backward runs under the autocast state its
+forward had, not the caller's (kept on the node as ``fwd_used_autocast`` / ``autocast_dtype``;
+DeepSpeed's names have a leading underscore).
+"""
+import torch
+
+
+def _autocast_state(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return True, torch.get_autocast_dtype(device_type)
+    return False, None
+
+
+class LinearFunctionForZeroStage3(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(input, weight, bias=None):
+        # (inside forward the caller's autocast still applies: F.linear runs in its dtype)
+        return torch.nn.functional.linear(input, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias = (tuple(inputs) + (None,))[:3]
+        ctx.save_for_backward(input, weight, bias)
+        ctx.device_type = input.device.type
+        ctx.fwd_used_autocast, ctx.autocast_dtype = _autocast_state(ctx.device_type)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight, bias = ctx.saved_tensors
+        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.fwd_used_autocast):
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+            if ctx.needs_input_grad[1]:
+                go = grad_output.reshape(-1, grad_output.shape[-1])
+                grad_weight = go.t().matmul(input.reshape(-1, input.shape[-1]).to(go.dtype))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def zero3_linear_wrap(input, weight, bias=None):
+    """``F.linear(input, weight, bias)`` through LinearFunctionForZeroStage3."""
+    if bias is None:
+        return LinearFunctionForZeroStage3.apply(input, weight)
+    return LinearFunctionForZeroStage3.apply(input, weight, bias)
+
+
+__all__ = ["LinearFunctionForZeroStage3", "zero3_linear_wrap"]
