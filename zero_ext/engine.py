@@ -36,6 +36,7 @@ from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
 from .optim.coalesce import check_coalesce, deferred_reduction
+from .optim.direct_backward import DirectBackward
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
@@ -127,6 +128,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         self.sparse_tensor_module_names = set()  # DeepSpeed's: sparse_gradients is refused here, so always empty
         for key in [module] + (optimizer.params() if optimizer is not None else []):
             _ENGINE_OF[key] = weakref.ref(self)
+        self.direct_backward = DirectBackward(self)  # loss.backward() called directly (optim/direct_backward.py)
         if optimizer is not None:  # DeepSpeed's averaged_gradients & co read through the same check (optim/grad_views.py)
             optimizer.gradient_reader = self.gradients
 
@@ -221,6 +223,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
             out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
             comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)
+        else:
+            self.direct_backward.watch(out)
         return out
 
     def _require_alive(self, what: str) -> None:
@@ -316,10 +320,14 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
-        with self.wall_clock.phase("bwd_inner"):
+        with self.wall_clock.phase("bwd_inner"), self.direct_backward.engine_backward():
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._advance("backward", "engine.backward")
         return loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: the loss times the fp16 loss scale, for ``engine.scale(loss).backward()``."""
+        return self.direct_backward.scale(loss)
 
     def _refuse_gradients_from_outside_backward(self) -> None:
         """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
@@ -337,7 +345,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
             raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
                                "since the last step: call engine.backward(loss) instead of loss.backward(). The "
                                "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
-                               "there; gradients from a plain loss.backward() would be applied wrongly")
+                               "there; gradients from a plain loss.backward() would be applied wrongly (it is counted "
+                               "only for a loss computed from the engine's own forward, engine(batch))")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
