@@ -74,3 +74,36 @@ def test_name_constants(ds):
     assert get_log_level({}) is LOG_LEVEL_DEFAULT is None and get_log_level({LOG_LEVEL: "INFO"}) == "INFO"
     assert TRAIN_BATCH_SIZE == "train_batch_size" and ONE_CYCLE == OneCycle.__name__
     assert (CYCLE_MIN_LR, CYCLE_MAX_LR) == ("cycle_min_lr", "cycle_max_lr")
+
+
+def _optimizer_classes():
+    import torch
+
+    import deepspeed
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer, ZeROOptimizer
+
+    out = {}
+    for stage, fp16 in ((0, False), (1, False), (3, False), (2, True)):
+        config = {"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": stage}, "fp16": {"enabled": fp16}}
+        engine, opt, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)
+        out[(stage, fp16)] = (isinstance(opt, ZeROOptimizer), isinstance(opt, DeepSpeedOptimizer), opt.needs_scaler())
+        engine.destroy()
+    return out
+
+
+def _with_compat(fn):
+    import os
+    import sys
+
+    from helpers import ROOT
+
+    if os.path.join(ROOT, "compat") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "compat"))
+    return fn()
+
+
+def test_optimizer_base_classes_and_needs_scaler():
+    out = run_ranks(1, _with_compat, _optimizer_classes)[0]
+    assert out == {(0, False): (False, True, False), (1, False): (True, True, False),
+                   (3, False): (True, True, False), (2, True): (True, True, True)}

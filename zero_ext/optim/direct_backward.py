@@ -90,7 +90,7 @@ class DirectBackward:
     def _finish(self) -> None:
         self.pending = False
         scaled, self.scaled = self.scaled, False
-        if self.engine.fp16_enabled() and not scaled:
+        if self.engine.optimizer.needs_scaler() and not scaled:
             raise EngineUsageError("loss.backward() was called directly with fp16, whose loss scaling it skips: "
                                    "call engine.scale(loss).backward() or engine.backward(loss)")
         self.engine._advance("backward", "loss.backward()")

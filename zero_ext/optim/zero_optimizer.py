@@ -78,6 +78,11 @@ class ZeroOptimizer(GradientViews):
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scaler.dynamic
 
+    def needs_scaler(self) -> bool:
+        """Whether a loss must be scaled before backward (fp16 with a loss scale): DeepSpeed's question
+        before a direct loss.backward() (optim/direct_backward.py)."""
+        return self.dynamic_loss_scale or self.cur_scale != 1.0
+
     # DeepSpeed's optimizer attributes that libraries and scripts read: read-only views of our groups
     @property
     def fp16_groups(self) -> List[List[torch.nn.Parameter]]:
