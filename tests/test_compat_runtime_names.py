@@ -107,3 +107,14 @@ def test_optimizer_base_classes_and_needs_scaler():
     out = run_ranks(1, _with_compat, _optimizer_classes)[0]
     assert out == {(0, False): (False, True, False), (1, False): (True, True, False),
                    (3, False): (True, True, False), (2, True): (True, True, True)}
+
+
+def test_see_memory_usage_logs_only_when_forced(ds, caplog):
+    from deepspeed.runtime.utils import see_memory_usage
+
+    with caplog.at_level(logging.INFO, logger="zero_ext"):
+        see_memory_usage("quiet")
+        see_memory_usage("after init", force=True)
+    lines = [r.getMessage() for r in caplog.records]
+    assert "quiet" not in lines and lines[0] == "after init"
+    assert lines[1].startswith("MA ") and "Max_MA" in lines[1]

@@ -9,5 +9,6 @@ Files:
 - config_utils.py: ``deepspeed.runtime.config_utils`` (DeepSpeedConfigModel, the base of config sections).
 - precision_config.py: ``deepspeed.runtime.precision_config`` (get_bfloat16_config, get_float16_config).
 - lr_schedules.py: ``deepspeed.runtime.lr_schedules`` (the five schedulers, VALID_LR_SCHEDULES).
+- utils.py: ``deepspeed.runtime.utils`` (see_memory_usage).
 - zero/: ``deepspeed.runtime.zero`` and its modules.
 """
