@@ -246,12 +246,13 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it (for
         several backward passes with one reduction at any stage: coalesce_grad_reduction())."""
         if self.zero_optimization_stage() >= 2:
-            raise EngineUsageError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only); "
-                               "engine.coalesce_grad_reduction() defers the reduction at every stage")
+            raise EngineUsageError(f"engine.no_sync(): no_sync context manager is incompatible with ZeRO stage "
+                                   f"{self.zero_optimization_stage()}: gradients are partitioned as they are produced "
+                                   "(stages 0/1 only); engine.coalesce_grad_reduction() defers the reduction at every "
+                                   "stage")
         if self._no_sync:  # (the inner block's exit would end the outer one)
-            raise EngineUsageError(f"engine.no_sync(): already inside engine.{self._no_sync}(); nesting these "
-                                   "blocks is not supported")
+            raise EngineUsageError(f"engine.no_sync(): no_sync context manager reentry is unsupported (already "
+                                   f"inside engine.{self._no_sync}())")
         self._no_sync = "no_sync"
         try:
             yield
@@ -379,8 +380,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
     def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
         if self._no_sync:  # (DeepSpeed's message names no_sync for both blocks; so does ours)
-            raise EngineUsageError(f"engine.step() inside engine.{self._no_sync}() (a no_sync block): leave the block "
-                                   "first (gradients must be reduced before a step)")
+            raise EngineUsageError(f"It is illegal to call Engine.step() inside no_sync context manager (here "
+                                   f"engine.{self._no_sync}()): leave the block first (gradients are reduced after it)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self._refuse_gradients_from_outside_backward()
