@@ -52,7 +52,6 @@ CASES = {
     "gradient_predivide_factor": ({"gradient_predivide_factor": 2.0}, 2.0),
     "sparse_gradients": ({"sparse_gradients": True}, True),
     "disable_allgather": ({"disable_allgather": True}, True),
-    "managed_gradient_accumulation": ({"managed_gradient_accumulation": False}, False),
     "aio.use_gds": ({"aio": {"use_gds": True}}, True),
     "checkpoint.tag_validation": ({"checkpoint": {"tag_validation": "IGNORE"}}, "IGNORE"),
     "checkpoint.load_universal": ({"checkpoint": {"load_universal": True}}, True),

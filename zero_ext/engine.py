@@ -109,6 +109,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self._backwards = 0  # backward passes since the last boundary step
         self.skipped_steps = 0
         self.phase = StepPhase.IDLE if optimizer is not None else StepPhase.FORWARD_ONLY
         self._step_applied = False  # what the last step() did (was_step_applied)
@@ -140,6 +141,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         if after is None:
             raise EngineUsageError(self._misuse(event, what))
         self.phase = after
+        self._backwards += event == "backward"  # (engine.backward or a direct one: optim/direct_backward.py)
 
     def _misuse(self, event: str, what: str) -> str:
         if self.phase is StepPhase.DESTROYED:
@@ -311,7 +313,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         # (with accumulation, or a caller that sets the boundary itself as accelerate does, several backward
         # passes per step are the plan; at gradient_accumulation_steps 1 they are usually a missing step())
         if (self.phase is StepPhase.BACKWARD and not self._warned_second_backward
-                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None):
+                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None
+                and self.managed_gradient_accumulation()):
             self._warned_second_backward = True
             warnings.warn("engine.backward() was called again before engine.step() with gradient_accumulation_steps "
                           "1: the gradients of both backward passes are summed into one step. Call engine.step() "
@@ -330,31 +333,17 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         """DeepSpeed's: the loss times the fp16 loss scale, for ``engine.scale(loss).backward()``."""
         return self.direct_backward.scale(loss)
 
-    def _refuse_gradients_from_outside_backward(self) -> None:
-        """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
-        called ``loss.backward()`` itself (unscaled for accumulation and fp16, and uncounted). Collective:
-        every rank reaches this step() the same way, and all must agree to raise."""
-        if self.phase is StepPhase.ACCUMULATED:  # engine.backward() ran earlier in this accumulation: its
-            return  # gradients
-        groups = self.optimizer.flat_groups
-        found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
-        if self.world_size > 1:
-            flag = torch.tensor([1.0 if found else 0.0], device=self.device)  # (offloaded grads live on the host)
-            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-            found = bool(flag.item())
-        if found:
-            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
-                               "since the last step: call engine.backward(loss) instead of loss.backward(). The "
-                               "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
-                               "there; gradients from a plain loss.backward() would be applied wrongly (it is counted "
-                               "only for a loss computed from the engine's own forward, engine(batch))")
-
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self.managed_gradient_accumulation():  # the caller's every step() is the boundary
+            return True
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self.managed_gradient_accumulation():
+            raise EngineUsageError("engine.set_gradient_accumulation_boundary(): with managed_gradient_accumulation "
+                                   "false every step() is the boundary; there is nothing to set")
         self._boundary_override = is_boundary
 
     def allreduce_gradients(self, bucket_size=None) -> None:
@@ -384,7 +373,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
                                    f"engine.{self._no_sync}()): leave the block first (gradients are reduced after it)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
-            self._refuse_gradients_from_outside_backward()
+            self.direct_backward.refuse_outside_gradients()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
                           "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=3)
             self._step_applied = False
@@ -413,7 +402,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
                             self.optimizer.cur_scale)
             # counted on skipped steps too, as DeepSpeed does
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.train_batch_size() if self.managed_gradient_accumulation() else (
+                self._backwards * self.train_micro_batch_size_per_gpu() * self.dp_world_size)  # (as many as ran)
+            self._backwards = 0
         else:
             self._advance("micro_step", "engine.step")
         self.micro_steps += 1

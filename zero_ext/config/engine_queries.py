@@ -29,6 +29,10 @@ class ConfigQueries:
     def fp16_enabled(self) -> bool:
         return self._config.fp16.enabled
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False: the caller's every step() is the accumulation boundary (DeepSpeed's key of that name)."""
+        return self._config.managed_gradient_accumulation
+
     def log_level(self):
         """The config's log_level as given (None when absent), as DeepSpeed's engine answers."""
         return self._config.log_level

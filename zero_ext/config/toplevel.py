@@ -321,6 +321,9 @@ def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:
 
 def _reduction_rules(cfg: DeepSpeedConfig):
     zero = cfg.zero_optimization
+    if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
+        yield ("zero_optimization.overlap_comm", True, "with managed_gradient_accumulation false, overlap_comm "
+               f"only with ZeRO stage 2 or 3 (stage {zero.stage} reduces in step(), with nothing to overlap)")
     if cfg.gradient_allreduce_op == "sum":
         if zero.stage == 3:
             yield ("gradient_allreduce_op", "sum", 'is not supported with ZeRO stage 3; use "mean"')

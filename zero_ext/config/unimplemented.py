@@ -55,7 +55,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "gradient_predivide_factor": "gradient pre-division",
     "sparse_gradients": "sparse embedding gradients",
     "disable_allgather": "broadcast instead of all-gather",
-    "managed_gradient_accumulation": "user-managed accumulation boundaries",
     # -- I/O, checkpoints, engine ----------------------------------------------------------------
     "aio.use_gds": "GPUDirect Storage",
     "checkpoint.tag_validation": "checkpoint tag validation modes other than WARN",

@@ -25,6 +25,9 @@ def check_coalesce(engine, inside: str) -> None:
     """Raises if the block cannot start; ``inside``: the no_sync-like block the engine is in, or None."""
     if getattr(engine, "pipeline_parallelism", False):
         raise NotImplementedError("engine.coalesce_grad_reduction() is not supported under pipeline parallelism")
+    if not engine.managed_gradient_accumulation():
+        raise EngineUsageError("engine.coalesce_grad_reduction() needs managed_gradient_accumulation (the default): "
+                               "without it the caller's step() already owns the accumulation boundary")
     if inside:
         raise EngineUsageError(f"engine.coalesce_grad_reduction() cannot be nested inside engine.{inside}(): "
                                "leave that block first (each block is one optimizer step)")

@@ -19,6 +19,7 @@ import contextlib
 
 import torch
 
+from .. import comm
 from ..config.errors import EngineUsageError
 
 
@@ -94,3 +95,23 @@ class DirectBackward:
             raise EngineUsageError("loss.backward() was called directly with fp16, whose loss scaling it skips: "
                                    "call engine.scale(loss).backward() or engine.backward(loss)")
         self.engine._advance("backward", "loss.backward()")
+
+    def refuse_outside_gradients(self) -> None:
+        """step() without a counted backward: an error if gradients are there anyway, i.e. the script ran
+        autograd on a loss not computed through the engine's forward (unscaled for accumulation and fp16,
+        and uncounted). Collective: every rank reaches this step() the same way, and all must agree to raise."""
+        engine = self.engine
+        if engine.phase.value == "accumulated":  # a backward ran earlier in this accumulation: its gradients
+            return
+        groups = engine.optimizer.flat_groups
+        found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
+        if engine.world_size > 1:
+            flag = torch.tensor([1.0 if found else 0.0], device=engine.device)  # (offloaded grads live on the host)
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+            found = bool(flag.item())
+        if found:
+            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
+                                   "since the last step: call engine.backward(loss) instead of loss.backward(). The "
+                                   "engine scales the loss for gradient accumulation (and fp16) and counts the micro "
+                                   "step there; gradients from a plain loss.backward() would be applied wrongly (it is "
+                                   "counted only for a loss computed from the engine's own forward, engine(batch))")
