@@ -110,6 +110,8 @@ def _misuse(stage):
     if stage < 2:
         with engine.no_sync():
             expect("inside_no_sync", lambda: engine.coalesce_grad_reduction().__enter__())
+            engine.backward(engine.module.loss(batch))
+            expect("grad_in_no_sync", lambda: zero_ext.utils.safe_get_full_grad(engine.module.body.weight))
     engine.step()  # the block's gradients, applied after it
     errors["applied"] = engine.was_step_applied()
     engine.destroy()
@@ -127,3 +129,4 @@ def test_coalesce_block_misuse_errors(stage):
     assert "nested" in out["nested"][1]
     if stage < 2:
         assert "no_sync" in out["no_sync"][1] and "nested" in out["inside_no_sync"][1]
+        assert "inside engine.no_sync() the gradients are not averaged yet" in out["grad_in_no_sync"][1]

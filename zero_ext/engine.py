@@ -165,9 +165,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, torch.nn.Module):
         exist and, at stages 0/1, that this is the boundary, then averages them across ranks (once; at
         stages 0/1 no backward may follow before the step). Returns the ZeroOptimizer."""
         self._advance("read_gradients", what)
-        if self._no_sync == "coalesce_grad_reduction":
-            raise EngineUsageError(f"{what}: inside engine.coalesce_grad_reduction() the gradients are not averaged "
-                                   "yet (that happens when the block ends); read them after the block")
+        if self._no_sync:  # (reading would average them now, against the block's purpose)
+            raise EngineUsageError(f"{what}: inside engine.{self._no_sync}() the gradients are not averaged yet "
+                                   "(that happens after the block); read them after the block")
         stage = self.zero_optimization_stage()
         if stage < 2 and not self.is_gradient_accumulation_boundary():
             raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
