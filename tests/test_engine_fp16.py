@@ -89,7 +89,8 @@ class RefScaler:
         else:
             if self.consecutive:
                 self.hyst = FP16["hysteresis"]
-            if (self.it - self.last_overflow) % FP16["loss_scale_window"] == 0:
+            stable = self.it - self.last_overflow - 1  # (DeepSpeed >= 0.17: doubles on the (window+1)-th clean step)
+            if stable > 0 and stable % FP16["loss_scale_window"] == 0:
                 self.hyst = FP16["hysteresis"]
                 self.scale *= 2
         self.it += 1
@@ -153,15 +154,15 @@ def test_dynamic_scaler_rules():
 
     s = DynamicLossScaler(init_scale=8, scale_window=2, min_scale=2, hysteresis=2)
     seen = []
-    for overflow in [True, True, False, False, True, True, True, True]:
+    for overflow in [True, True, False, False, False, True, True, True, True]:
         try:
             s.update(overflow)
             seen.append(s.cur_scale)
         except LossScaleFloorError:
             seen.append("floor")
-    # the 1st overflow uses up the hysteresis, the 2nd halves; 2 clean steps double and refill it;
-    # then 8 -> (hysteresis) 8 -> 4 -> 2 (the floor) -> error
-    assert seen == [8, 4, 4, 8, 8, 4, 2, "floor"]
+    # the 1st overflow uses up the hysteresis, the 2nd halves; the clean step after 2 clean steps doubles
+    # and refills it (DeepSpeed >= 0.17: the (window+1)-th); then 8 -> (hysteresis) 8 -> 4 -> 2 (the floor) -> error
+    assert seen == [8, 4, 4, 4, 8, 8, 4, 2, "floor"]
 
 
 def test_scaler_at_the_floor_raises_deepspeeds_error():
