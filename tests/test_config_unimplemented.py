@@ -35,7 +35,6 @@ CASES = {
         {"fp16": {"fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
         True),
     "bf16.immediate_grad_update": ({"bf16": {"immediate_grad_update": True}}, True),
-    "bf16.check_grad_overflow": ({"bf16": {"check_grad_overflow": False}}, False),
     "bf16.bf16_master_weights_and_grads": (
         {"bf16": {"bf16_master_weights_and_grads": True}, "zero_optimization": {"stage": 1}},
         True),

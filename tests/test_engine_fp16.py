@@ -208,3 +208,28 @@ def test_untested_optimizer_needs_the_flag_under_zero():
     with pytest.raises(RankFailed, match="SGD is an untested ZeRO optimizer.*zero_allow_untested_optimizer"):
         run_ranks(1, _untested_optimizer, False)
     assert run_ranks(1, _untested_optimizer, True) == [True]
+
+
+def _bf16_overflow(check):
+    import zero_ext
+    from zero_ext.utils import safe_set_full_grad
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": check}}
+    engine, *_ = zero_ext.initialize(model=MLP(), config=config)
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16)
+    engine.backward((engine(x) - y).float().pow(2).mean())
+    for p in engine.module.parameters():
+        if p.requires_grad:
+            safe_set_full_grad(p, torch.full_like(p, float("inf")))
+    engine.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    out = engine.skipped_steps, engine.was_step_applied(), finite
+    engine.destroy()
+    return out
+
+
+def test_bf16_check_grad_overflow_false_steps_on_overflowing_gradients():
+    assert run_ranks(2, _bf16_overflow, True)[0] == (1, False, True)  # the default: skipped, parameters kept
+    assert run_ranks(2, _bf16_overflow, False)[0] == (0, True, False)  # as asked: stepped on, inf/nan now

@@ -39,7 +39,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "fp16.auto_cast": "fp16 input auto-cast",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
     "bf16.immediate_grad_update": "immediate bf16 gradient updates",
-    "bf16.check_grad_overflow": "skipping the bf16 overflow check",
     "bf16.bf16_master_weights_and_grads": "bf16 master weights",
     "bf16.bf16_optimizer_states": "bf16 optimizer states",
     "data_types.grad_accum_dtype": "a separate gradient-accumulation dtype",
