@@ -92,8 +92,8 @@ class DirectBackward:
         self.pending = False
         scaled, self.scaled = self.scaled, False
         if self.engine.optimizer.needs_scaler() and not scaled:
-            raise EngineUsageError("loss.backward() was called directly with fp16, whose loss scaling it skips: "
-                                   "call engine.scale(loss).backward() or engine.backward(loss)")
+            raise EngineUsageError("Loss scaling is required (fp16), but loss.backward() was called directly on an "
+                                   "unscaled loss: call engine.scale(loss).backward() or engine.backward(loss)")
         self.engine._advance("backward", "loss.backward()")
 
     def refuse_outside_gradients(self) -> None:
