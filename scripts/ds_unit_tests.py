@@ -37,6 +37,17 @@ FILES = [
     "test_ignore_unused_parameters", "test_zero_offloadpp", "test_nvme_checkpointing", "test_zero_grad_clip",
     "test_zero_allreduce_fetch_params", "test_zero_autocast_mixed_dtype")]
 
+# Tests that expect DeepSpeed to refuse what zero_ext supports (documented differences, docs/api.md). They
+# are left out (--deselect) and counted in the "differ" column: run, their pytest.raises fails inside a
+# spawned rank with pytest's Failed, a BaseException that DeepSpeed's pool harness never hands back, so the
+# harness waits DS_UNITTEST_TIMEOUT and then exits pytest, dropping the rest of the file.
+DIFFERENCES = {
+    "unit/v1/zero/test_zero_torch_func.py::TestZero0DirectBackwardStillRaises::"
+    "test_direct_backward_raises_without_functorch": "loss.backward() on the engine's output works at stage 0 too",
+    "unit/v1/zero/test_zero_coalesce_grad_reduction.py::TestCoalesceGradAccumDtype::"
+    "test_zero1_no_offload_uses_bf16_optimizer": "coalesce_grad_reduction works with bf16 + grad_accum_dtype fp32",
+}
+
 OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
@@ -58,6 +69,9 @@ def run_file(args, path: str) -> dict:
     log = os.path.join(args.logs, path.replace("/", "_") + ".log")
     cmd = [args.reference or sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA",
            "--color=no", path]
+    differ = [t for t in DIFFERENCES if t.startswith(path + "::")] if not args.reference else []
+    for test in differ:
+        cmd += ["--deselect", test]
     start = time.monotonic()
     with open(log, "w") as out:
         try:
@@ -67,7 +81,7 @@ def run_file(args, path: str) -> dict:
             timed_out = True
     lines = [ln for ln in open(log, errors="replace").read().splitlines() if ln.strip()]
     row = counts(lines[-1] if lines and not timed_out else "")
-    row.update(seconds=time.monotonic() - start, timed_out=timed_out, log=log)
+    row.update(seconds=time.monotonic() - start, timed_out=timed_out, log=log, differ=len(differ))
     return row
 
 
@@ -81,16 +95,16 @@ def main():
     p.add_argument("files", nargs="*", help=f"test files below --tests (default: the {len(FILES)} of issue 20)")
     args = p.parse_args()
     os.makedirs(args.logs, exist_ok=True)
-    total = {k: 0 for k in OUTCOMES}
-    print(f"{'file':58} " + " ".join(f"{k:>7}" for k in OUTCOMES) + f" {'s':>6}")
+    total = {k: 0 for k in OUTCOMES + ("differ",)}
+    print(f"{'file':58} " + " ".join(f"{k:>7}" for k in OUTCOMES + ("differ",)) + f" {'s':>6}")
     for path in args.files or FILES:
         row = run_file(args, path)
-        for k in OUTCOMES:
+        for k in OUTCOMES + ("differ",):
             total[k] += row[k]
         note = "  TIMED OUT" if row["timed_out"] else ""
-        print(f"{path:58} " + " ".join(f"{row[k]:7d}" for k in OUTCOMES) + f" {row['seconds']:6.0f}{note}",
-              flush=True)
-    print(f"{'total':58} " + " ".join(f"{total[k]:7d}" for k in OUTCOMES))
+        cells = " ".join(f"{row[k]:7d}" for k in OUTCOMES + ("differ",))
+        print(f"{path:58} {cells} {row['seconds']:6.0f}{note}", flush=True)
+    print(f"{'total':58} " + " ".join(f"{total[k]:7d}" for k in OUTCOMES + ("differ",)))
     print(f"logs: {args.logs}")
 
 

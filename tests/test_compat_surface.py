@@ -76,6 +76,12 @@ def test_checkpoint_file_helpers(tmp_path):
         (tmp_path / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt").write_bytes(b"")
     names = [os.path.basename(f) for f in get_optim_files(str(tmp_path))]
     assert [n.split("_")[4] for n in names] == ["0", "1", "2", "10"]  # rank order, not string order
+    other = tmp_path / "other"  # as DeepSpeed's: any *_optim_states.pt name, in natural order
+    other.mkdir()
+    for i in (12, 1, 0, 2):
+        (other / f"zero_{i}_optim_states.pt").write_bytes(b"")
+    assert [os.path.basename(f) for f in get_optim_files(str(other))] == [
+        f"zero_{i}_optim_states.pt" for i in (0, 1, 2, 12)]
     with pytest.raises(FileNotFoundError, match="model states"):
         get_model_state_file(str(tmp_path), 2)
     (tmp_path / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")

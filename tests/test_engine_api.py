@@ -245,6 +245,8 @@ def test_grad_accum_dtype_other_than_what_the_stage_does_is_refused():
               "zero_optimization": {"stage": 0}}
     with pytest.raises(ConfigError, match=r"grad_accum_dtype = 'fp32'.*accumulates gradients in bf16.*stage 2"):
         _engine(config)
+    with pytest.raises(NotImplementedError):  # what DeepSpeed raises for a combination it lacks
+        _engine(config)
 
 
 def _bucket_dtype_and_bytes():

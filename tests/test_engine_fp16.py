@@ -89,7 +89,8 @@ class RefScaler:
         else:
             if self.consecutive:
                 self.hyst = FP16["hysteresis"]
-            if (self.it - self.last_overflow) % FP16["loss_scale_window"] == 0:
+            stable = self.it - self.last_overflow - 1  # (DeepSpeed >= 0.17: doubles on the (window+1)-th clean step)
+            if stable > 0 and stable % FP16["loss_scale_window"] == 0:
                 self.hyst = FP16["hysteresis"]
                 self.scale *= 2
         self.it += 1
@@ -153,15 +154,15 @@ def test_dynamic_scaler_rules():
 
     s = DynamicLossScaler(init_scale=8, scale_window=2, min_scale=2, hysteresis=2)
     seen = []
-    for overflow in [True, True, False, False, True, True, True, True]:
+    for overflow in [True, True, False, False, False, True, True, True, True]:
         try:
             s.update(overflow)
             seen.append(s.cur_scale)
         except LossScaleFloorError:
             seen.append("floor")
-    # the 1st overflow uses up the hysteresis, the 2nd halves; 2 clean steps double and refill it;
-    # then 8 -> (hysteresis) 8 -> 4 -> 2 (the floor) -> error
-    assert seen == [8, 4, 4, 8, 8, 4, 2, "floor"]
+    # the 1st overflow uses up the hysteresis, the 2nd halves; the clean step after 2 clean steps doubles
+    # and refills it (DeepSpeed >= 0.17: the (window+1)-th); then 8 -> (hysteresis) 8 -> 4 -> 2 (the floor) -> error
+    assert seen == [8, 4, 4, 4, 8, 8, 4, 2, "floor"]
 
 
 def test_scaler_at_the_floor_raises_deepspeeds_error():
@@ -207,3 +208,28 @@ def test_untested_optimizer_needs_the_flag_under_zero():
     with pytest.raises(RankFailed, match="SGD is an untested ZeRO optimizer.*zero_allow_untested_optimizer"):
         run_ranks(1, _untested_optimizer, False)
     assert run_ranks(1, _untested_optimizer, True) == [True]
+
+
+def _bf16_overflow(check):
+    import zero_ext
+    from zero_ext.utils import safe_set_full_grad
+
+    torch.manual_seed(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": check}}
+    engine, *_ = zero_ext.initialize(model=MLP(), config=config)
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0), torch.bfloat16)
+    engine.backward((engine(x) - y).float().pow(2).mean())
+    for p in engine.module.parameters():
+        if p.requires_grad:
+            safe_set_full_grad(p, torch.full_like(p, float("inf")))
+    engine.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    out = engine.skipped_steps, engine.was_step_applied(), finite
+    engine.destroy()
+    return out
+
+
+def test_bf16_check_grad_overflow_false_steps_on_overflowing_gradients():
+    assert run_ranks(2, _bf16_overflow, True)[0] == (1, False, True)  # the default: skipped, parameters kept
+    assert run_ranks(2, _bf16_overflow, False)[0] == (0, True, False)  # as asked: stepped on, inf/nan now

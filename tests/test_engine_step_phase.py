@@ -130,7 +130,8 @@ def test_every_misuse_is_an_error_of_the_phase_it_happens_in(stage, world, tmp_p
         ("zero_grad after backward", "IDLE", None),
         ("second backward in one micro step", "BACKWARD", None),  # (accumulating: several are the plan)
         ("step inside no_sync", "BACKWARD",
-         "engine.step() inside engine.no_sync()" if early else "engine.no_sync() is incompatible with ZeRO stage"),
+         "Engine.step() inside no_sync context manager (here engine.no_sync())" if early
+         else "no_sync context manager is incompatible with ZeRO stage"),
         ("forward while offloaded", "IDLE", "engine.forward: lp_params"),
         ("backward while offloaded", "IDLE", "engine.backward: "),
         ("step while offloaded", "IDLE", "engine.step: "),

@@ -103,6 +103,8 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     engine.mpu, engine.world_size, engine.dp_world_size = mpu, world, world  # (DeepSpeed's: the data-parallel size)
+    if cfg.log_level is not None:  # (checked by the config: one of logging's level names, any case)
+        logging.getLogger("zero_ext").setLevel(cfg.log_level.upper())
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
         for name in ("reduce", "finish_backward"):
             if hasattr(made.zopt.reducer, name):
@@ -441,10 +443,12 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
                                     rank, world, zc.ignore_unused_parameters, averaging, process_group=pg)
         else:
             reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
-    return ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
-                         world, loss_scaler=gradscaler_like() if autocast_dtype == torch.float16 else
-                         scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
-                         nvme_pieces=nvme_pieces, model_parallel=parallel)
+    opt = ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
+                        world, loss_scaler=gradscaler_like() if autocast_dtype == torch.float16 else
+                        scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
+                        nvme_pieces=nvme_pieces, model_parallel=parallel)
+    opt.check_overflow = not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow)
+    return opt
 
 
 def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:

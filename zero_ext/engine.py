@@ -35,6 +35,8 @@ from .config.errors import EngineUsageError
 from .offload import states as offload_state
 from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
+from .optim.coalesce import check_coalesce, deferred_reduction
+from .optim.direct_backward import DirectBackward
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
@@ -108,6 +110,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        self._backwards = 0  # backward passes since the last boundary step
         self.skipped_steps = 0
         self.phase = StepPhase.IDLE if optimizer is not None else StepPhase.FORWARD_ONLY
         self._step_applied = False  # what the last step() did (was_step_applied)
@@ -116,7 +119,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
         self._failed: Optional[str] = None  # why this engine cannot go on (an NVMe write failed mid-step)
-        self._no_sync = False
+        self._no_sync: Optional[str] = None  # inside no_sync() or coalesce_grad_reduction(): that name
         self.offload = offload  # ZeRO-Offload placement (offload/plan.py)
         self.training_dataloader = training_dataloader
         self.optimizer = optimizer
@@ -127,6 +130,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self.sparse_tensor_module_names = set()  # DeepSpeed's: sparse_gradients is refused here, so always empty
         for key in [module] + (optimizer.params() if optimizer is not None else []):
             _ENGINE_OF[key] = weakref.ref(self)
+        self.direct_backward = DirectBackward(self)  # loss.backward() called directly (optim/direct_backward.py)
         if optimizer is not None:  # DeepSpeed's averaged_gradients & co read through the same check (optim/grad_views.py)
             optimizer.gradient_reader = self.gradients
 
@@ -138,6 +142,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         if after is None:
             raise EngineUsageError(self._misuse(event, what))
         self.phase = after
+        self._backwards += event == "backward"  # (engine.backward or a direct one: optim/direct_backward.py)
 
     def _misuse(self, event: str, what: str) -> str:
         if self.phase is StepPhase.DESTROYED:
@@ -161,6 +166,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         exist and, at stages 0/1, that this is the boundary, then averages them across ranks (once; at
         stages 0/1 no backward may follow before the step). Returns the ZeroOptimizer."""
         self._advance("read_gradients", what)
+        if self._no_sync:  # (reading would average them now, against the block's purpose)
+            raise EngineUsageError(f"{what}: inside engine.{self._no_sync}() the gradients are not averaged yet "
+                                   "(that happens after the block); read them after the block")
         stage = self.zero_optimization_stage()
         if stage < 2 and not self.is_gradient_accumulation_boundary():
             raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
@@ -218,6 +226,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
             out = self.module(*args, **kwargs)
         if self.phase is StepPhase.FORWARD_ONLY or not torch.is_grad_enabled():  # no backward follows: the pass
             comm.settle()  # ends here ([Note: the exit race], comm/outstanding.py)
+        else:
+            self.direct_backward.watch(out)
         return out
 
     def _require_alive(self, what: str) -> None:
@@ -236,17 +246,36 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside skip gradient reduction (DeepSpeed's API). Stages 0/1 reduce only at
-        the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it."""
+        the step anyway; stages 2/3 reduce during backward into partitions and cannot defer it (for
+        several backward passes with one reduction at any stage: coalesce_grad_reduction())."""
         if self.zero_optimization_stage() >= 2:
-            raise EngineUsageError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}: "
-                               "gradients are partitioned as they are produced (as in DeepSpeed, stages 0/1 only)")
+            raise EngineUsageError(f"engine.no_sync(): no_sync context manager is incompatible with ZeRO stage "
+                                   f"{self.zero_optimization_stage()}: gradients are partitioned as they are produced "
+                                   "(stages 0/1 only); engine.coalesce_grad_reduction() defers the reduction at every "
+                                   "stage")
         if self._no_sync:  # (the inner block's exit would end the outer one)
-            raise EngineUsageError("engine.no_sync(): already inside no_sync(); nesting it is not supported")
-        self._no_sync = True
+            raise EngineUsageError(f"engine.no_sync(): no_sync context manager reentry is unsupported (already "
+                                   f"inside engine.{self._no_sync}())")
+        self._no_sync = "no_sync"
         try:
             yield
         finally:
-            self._no_sync = False
+            self._no_sync = None
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        """A block of several backward passes whose gradients are reduced once, when it ends; the
+        engine.step() after it applies them (DeepSpeed's API; optim/coalesce.py)."""
+        check_coalesce(self, self._no_sync)
+        self._require_optimizer("coalesce_grad_reduction")
+        self._no_sync = "coalesce_grad_reduction"
+        try:
+            with deferred_reduction(self.optimizer.reducer):
+                yield
+        finally:
+            self._no_sync = None
+
+    pipeline_parallelism = False  # DeepSpeed's flag: there is no pipeline engine here
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Changes the global batch by changing the accumulation steps (the micro batch stays)."""
@@ -285,7 +314,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         # (with accumulation, or a caller that sets the boundary itself as accelerate does, several backward
         # passes per step are the plan; at gradient_accumulation_steps 1 they are usually a missing step())
         if (self.phase is StepPhase.BACKWARD and not self._warned_second_backward
-                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None):
+                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None
+                and self.managed_gradient_accumulation()):
             self._warned_second_backward = True
             warnings.warn("engine.backward() was called again before engine.step() with gradient_accumulation_steps "
                           "1: the gradients of both backward passes are summed into one step. Call engine.step() "
@@ -295,35 +325,26 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
         scale = self.optimizer.cur_scale
-        with self.wall_clock.phase("bwd_inner"):
+        with self.wall_clock.phase("bwd_inner"), self.direct_backward.engine_backward():
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._advance("backward", "engine.backward")
         return loss
 
-    def _refuse_gradients_from_outside_backward(self) -> None:
-        """step() without engine.backward(): an error if gradients are there anyway, i.e. the script
-        called ``loss.backward()`` itself (unscaled for accumulation and fp16, and uncounted). Collective:
-        every rank reaches this step() the same way, and all must agree to raise."""
-        if self.phase is StepPhase.ACCUMULATED:  # engine.backward() ran earlier in this accumulation: its
-            return  # gradients
-        groups = self.optimizer.flat_groups
-        found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
-        if self.world_size > 1:
-            flag = torch.tensor([1.0 if found else 0.0], device=self.device)  # (offloaded grads live on the host)
-            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
-            found = bool(flag.item())
-        if found:
-            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
-                               "since the last step: call engine.backward(loss) instead of loss.backward(). The "
-                               "engine scales the loss for gradient accumulation (and fp16) and counts the micro step "
-                               "there; gradients from a plain loss.backward() would be applied wrongly")
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's: the loss times the fp16 loss scale, for ``engine.scale(loss).backward()``."""
+        return self.direct_backward.scale(loss)
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if not self.managed_gradient_accumulation():  # the caller's every step() is the boundary
+            return True
         if self._boundary_override is not None:
             return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self.managed_gradient_accumulation():
+            raise EngineUsageError("engine.set_gradient_accumulation_boundary(): with managed_gradient_accumulation "
+                                   "false every step() is the boundary; there is nothing to set")
         self._boundary_override = is_boundary
 
     def allreduce_gradients(self, bucket_size=None) -> None:
@@ -348,12 +369,12 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
 
     def _step(self, lr_kwargs) -> None:
         self._require_optimizer("step")
-        if self._no_sync:
-            raise EngineUsageError("engine.step() inside engine.no_sync(): leave the no_sync() block first (gradients "
-                               "must be reduced before a step)")
+        if self._no_sync:  # (DeepSpeed's message names no_sync for both blocks; so does ours)
+            raise EngineUsageError(f"It is illegal to call Engine.step() inside no_sync context manager (here "
+                                   f"engine.{self._no_sync}()): leave the block first (gradients are reduced after it)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
-            self._refuse_gradients_from_outside_backward()
+            self.direct_backward.refuse_outside_gradients()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "
                           "there are no gradients, so nothing was updated", RuntimeWarning, stacklevel=3)
             self._step_applied = False
@@ -382,7 +403,9 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
                             self.optimizer.cur_scale)
             # counted on skipped steps too, as DeepSpeed does
             self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+            self.global_samples += self.train_batch_size() if self.managed_gradient_accumulation() else (
+                self._backwards * self.train_micro_batch_size_per_gpu() * self.dp_world_size)  # (as many as ran)
+            self._backwards = 0
         else:
             self._advance("micro_step", "engine.step")
         self.micro_steps += 1

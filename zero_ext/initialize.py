@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from . import activation_checkpointing, comm
 from .build import build_engine
 from .comm.mpu import parallel_groups
-from .config import ConfigError, load_config, reject_unimplemented
-from .config.errors import InitializeArgumentError
+from .config import load_config, reject_unimplemented
+from .config.errors import InitializeArgumentError, UnsupportedDtypeError
 from .config.unimplemented import IMPLEMENTED_BY_INITIALIZE
 from .engine import ZeroEngine
 
@@ -84,7 +84,7 @@ def _check_grad_accum_dtype(cfg) -> None:
     bf16_fp32 = stage == 1 and cfg.precision == "bf16" and want == "fp32"
     actual = "fp32" if stage == 2 or bf16_fp32 else cfg.precision
     if want != actual:
-        raise ConfigError(
+        raise UnsupportedDtypeError(
             f"data_types.grad_accum_dtype = {want!r}: ZeRO stage {stage} with {cfg.precision} parameters "
             f"accumulates gradients in {actual}, and zero_ext implements no other choice yet; remove the key"
             + (" or use ZeRO stage 2 (or stage 1 with bf16), which accumulate in fp32" if want == "fp32" else ""))

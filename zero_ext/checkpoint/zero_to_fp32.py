@@ -88,10 +88,15 @@ def get_optim_files(checkpoint_dir):
     none is a FileNotFoundError. DeepSpeed's helper of the same name (Lightning reads the stage from the first)."""
     if not os.path.isdir(checkpoint_dir):
         raise FileNotFoundError(f"checkpoint folder '{checkpoint_dir}' does not exist")
-    files = _optim_files(checkpoint_dir)
+    # As DeepSpeed's: every *_optim_states.pt, in natural order (rank 10 after rank 9), whatever the prefix
+    files = sorted((f for f in os.listdir(checkpoint_dir) if f.endswith("_optim_states.pt")), key=_natural)
     if not files:
         raise FileNotFoundError(f"no *_optim_states.pt files in '{checkpoint_dir}'")
     return [os.path.join(checkpoint_dir, f) for f in files]
+
+
+def _natural(name: str):
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def get_model_state_file(checkpoint_dir, zero_stage):

@@ -150,6 +150,9 @@ def option(
 def _number_not_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise PydanticCustomError("bool_for_number", "must be a number, not a boolean")
+    if isinstance(value, (list, tuple, dict, set)):  # (pydantic's own message does not say what was given)
+        raise PydanticCustomError("container_for_number", "must be a number, not a {kind}",
+                                  {"kind": type(value).__name__})
     return value
 
 

@@ -32,6 +32,14 @@ class ConfigQueries:
     def zero_quantized_weights(self) -> bool:
         return self._config.zero_optimization.zero_quantized_weights
 
+    def managed_gradient_accumulation(self) -> bool:
+        """False: the caller's every step() is the accumulation boundary (DeepSpeed's key of that name)."""
+        return self._config.managed_gradient_accumulation
+
+    def log_level(self):
+        """The config's log_level as given (None when absent), as DeepSpeed's engine answers."""
+        return self._config.log_level
+
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 

@@ -120,6 +120,11 @@ class ClientOptimizerError(ConfigError, ZeRORuntimeException):
     """A client optimizer the config does not allow (e.g. with optimizer offload)."""
 
 
+class UnsupportedDtypeError(ConfigError, NotImplementedError):
+    """A data_types choice the engine does not implement for this stage and precision (DeepSpeed raises
+    NotImplementedError for the combinations it lacks)."""
+
+
 class EngineUsageError(RuntimeError, AssertionError):
     """An engine call made when it cannot run (no optimizer, inside no_sync, out of step order)."""
 

@@ -65,7 +65,9 @@ class BF16Config(ConfigModel):
     immediate_grad_update: bool = option(
         False, "Apply gradient updates to the master copy as soon as they are reduced.")
     check_grad_overflow: bool = option(
-        True, "Stages 1-2: skip the step when gradients overflow (inf/nan).")
+        True, "Skip the step when the gradients overflow (inf/nan); false steps on them (the parameters "
+        "become inf/nan).", ds_note="DeepSpeed's default is false (and it checks at stages 1-2 only); "
+        "zero_ext checks unless told not to.")
     bf16_master_weights_and_grads: bool = option(
         False, "Keep the master weights and the gradient partitions in bf16 instead of fp32 (ZeRO stages "
         "1-3). Needs bf16_optimizer_states, or offload_optimizer device cpu with the CPU Adam (which "

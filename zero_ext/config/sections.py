@@ -189,7 +189,6 @@ IGNORED_SECTIONS = {
     "memory_breakdown": "memory usage printouts",
     "dump_state": "state dump printouts",
     "vocabulary_size": "tensor-core alignment hint",
-    "log_level": "DeepSpeed logger level",
 }
 
 

@@ -96,6 +96,9 @@ class DeepSpeedConfig(ConfigModel):
         "when unset); engine.get_wall_clock_timers() returns them.",
         ds_note="DeepSpeed prints the micro-step line at every step() call and the global line at "
         "every optimizer step.")
+    log_level: Optional[str] = option(
+        None, "Level of the zero_ext logger (deepspeed.utils.logger): debug, info, warning, error or critical "
+        "(any case), set when the engine is built; null leaves it as it is.")
     dataloader_drop_last: bool = option(
         False, "The engine's data loader drops the last incomplete batch.")
     graph_harvesting: bool = option(False, "Capture the step in CUDA graphs.")
@@ -185,7 +188,7 @@ class DeepSpeedConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_rules(self) -> "DeepSpeedConfig":
-        problems = list(_precision_rules(self)) + list(_reduction_rules(self))
+        problems = list(_precision_rules(self)) + list(_reduction_rules(self)) + list(_logging_rules(self))
         _warn_unused_with_sum(self)
         if self.optimizer is not None and self.optimizer.type in NOT_WITH_ZERO \
                 and self.zero_optimization.stage > 0:
@@ -311,6 +314,14 @@ def _precision_rules(cfg: DeepSpeedConfig):
                "torch_autocast, not both")
 
 
+LOG_LEVEL_NAMES = ("debug", "info", "warning", "error", "critical")  # (utils/logging.py maps them)
+
+
+def _logging_rules(cfg: DeepSpeedConfig):
+    if cfg.log_level is not None and str(cfg.log_level).lower() not in LOG_LEVEL_NAMES:
+        yield ("log_level", cfg.log_level, f"must be one of {', '.join(LOG_LEVEL_NAMES)} (any case)")
+
+
 def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:
     """gradient_allreduce_op "sum" adds the ranks' gradients up and never divides them, so
     prescale_gradients / gradient_predivide_factor do nothing there; DeepSpeed accepts them silently
@@ -326,6 +337,9 @@ def _warn_unused_with_sum(cfg: DeepSpeedConfig) -> None:
 
 def _reduction_rules(cfg: DeepSpeedConfig):
     zero = cfg.zero_optimization
+    if not cfg.managed_gradient_accumulation and zero.overlap_comm and zero.stage < 2:
+        yield ("zero_optimization.overlap_comm", True, "with managed_gradient_accumulation false, overlap_comm "
+               f"only with ZeRO stage 2 or 3 (stage {zero.stage} reduces in step(), with nothing to overlap)")
     if cfg.gradient_allreduce_op == "sum":
         if zero.stage == 3:
             yield ("gradient_allreduce_op", "sum", 'is not supported with ZeRO stage 3; use "mean"')

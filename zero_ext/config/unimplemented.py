@@ -39,7 +39,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "fp16.auto_cast": "fp16 input auto-cast",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
     "bf16.immediate_grad_update": "immediate bf16 gradient updates",
-    "bf16.check_grad_overflow": "skipping the bf16 overflow check",
     "data_types.grad_accum_dtype": "a separate gradient-accumulation dtype",
     "communication_data_type": "gradient communication in another dtype",
     # -- optimizer, scheduler, gradients ---------------------------------------------------------
@@ -51,7 +50,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "gradient_predivide_factor": "gradient pre-division",
     "sparse_gradients": "sparse embedding gradients",
     "disable_allgather": "broadcast instead of all-gather",
-    "managed_gradient_accumulation": "user-managed accumulation boundaries",
     # -- I/O, checkpoints, engine ----------------------------------------------------------------
     "aio.use_gds": "GPUDirect Storage",
     "checkpoint.tag_validation": "checkpoint tag validation modes other than WARN",

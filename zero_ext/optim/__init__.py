@@ -14,6 +14,8 @@ Files:
 - schedulers.py: learning-rate schedulers with DeepSpeed's names and formulas.
 - muon.py: the Muon optimizer (MuonWithAuxAdam): its param groups, and the orthogonalized update before the step;
   muon_nvme.py: its step with NVMe optimizer offload, streamed piece by piece through the swap files.
+- direct_backward.py: loss.backward() called directly on an engine's output, and engine.scale(loss).
+- coalesce.py: engine.coalesce_grad_reduction()'s checks and the reducers' deferral around its block.
 - wall_clock.py: wall_clock_breakdown's per-phase timers (DeepSpeed's names) and their report.
 - throughput.py: ThroughputTimer, the engine's tput_timer (DeepSpeed's samples-per-second timer).
 - grad_views.py: DeepSpeed's gradient attributes (averaged_gradients, get_fp32_grad_partitions), a mixin.

@@ -155,6 +155,12 @@ class BoundaryReducer:
 
     buffers = ()  # (it reduces in the gradients' own storage)
 
+    def begin_deferral(self) -> None:
+        """coalesce_grad_reduction (coalesce.py): these stages reduce only at the boundary already."""
+
+    def end_deferral(self, flush: bool) -> None:
+        pass
+
     def free_buffers(self) -> None:
         pass
 
@@ -253,6 +259,7 @@ class BucketReducer(StreamingReducer):
         self.buckets: Dict[torch.dtype, _Bucket] = {}
         self.seen = set()
         self.callback_queued = False
+        self.deferring = False  # inside coalesce_grad_reduction: gradients stay summed in param.grad
         self.handles = []
         for gi, g in enumerate(groups):
             for i, p in enumerate(g.params):
@@ -276,20 +283,43 @@ class BucketReducer(StreamingReducer):
 
     # -- backward ---------------------------------------------------------------------------------
 
+    def begin_deferral(self) -> None:
+        """From now on each backward leaves its gradients in ``param.grad``, where autograd sums them
+        (coalesce.py); end_deferral(flush=True) reduces them as one backward would have."""
+        self.deferring = True
+
+    def end_deferral(self, flush: bool) -> None:
+        self.deferring = False
+        params = [(gi, i, p) for gi, g in enumerate(self.groups) for i, p in enumerate(g.params)]
+        for gi, i, p in params:  # in optimizer order, the same on every rank
+            if p.grad is not None:
+                if flush:
+                    self._take(gi, i)
+                else:
+                    p.grad = None
+        if flush:
+            self.finish_backward()
+
+    def _take(self, gi: int, i: int) -> None:
+        """Parameter i of group gi has its gradient: into the bucket (reduced when the bucket is full)."""
+        n, dtype = self.groups[gi].numels[i], self.dtypes[(gi, i)]
+        bucket = self.buckets.get(dtype)
+        if bucket is not None and bucket.members and bucket.numel + n > self.bucket_size:
+            self._flush(dtype)
+        bucket = self.buckets.setdefault(dtype, _Bucket())
+        bucket.members.append((gi, i))
+        bucket.numel += n
+        self.seen.add((gi, i))
+
     def _hook(self, gi: int, i: int):
         def on_grad_ready(param: torch.Tensor) -> None:
+            if self.deferring:
+                return
             if not self.callback_queued:
                 # runs once when this backward pass ends, whoever called .backward()
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
                 self.callback_queued = True
-            n, dtype = self.groups[gi].numels[i], self.dtypes[(gi, i)]
-            bucket = self.buckets.get(dtype)
-            if bucket is not None and bucket.members and bucket.numel + n > self.bucket_size:
-                self._flush(dtype)
-            bucket = self.buckets.setdefault(dtype, _Bucket())
-            bucket.members.append((gi, i))
-            bucket.numel += n
-            self.seen.add((gi, i))
+            self._take(gi, i)
         return on_grad_ready
 
     def finish_backward(self) -> None:

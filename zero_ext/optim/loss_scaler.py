@@ -5,9 +5,10 @@ the optimizer divides it out again. Dynamic scaling, per step (DeepSpeed's rules
 - overflow (inf/nan in any rank's gradients): the step is skipped; if the hysteresis is used up the
   scale halves (never below ``min_scale``; already at the floor is an error), else the hysteresis
   shrinks by one;
-- a clean step: with ``consecutive_hysteresis`` the hysteresis refills at once; after every
-  ``scale_window`` clean steps since the last overflow the scale doubles (and, without
-  ``consecutive_hysteresis``, the hysteresis refills then).
+- a clean step: with ``consecutive_hysteresis`` the hysteresis refills at once; the scale doubles on
+  the clean step that follows every ``scale_window`` clean steps since the last overflow (or the start),
+  i.e. on the (window+1)-th, as DeepSpeed does since 0.17 (and, without ``consecutive_hysteresis``, the
+  hysteresis refills then).
 """
 
 
@@ -63,7 +64,8 @@ class DynamicLossScaler(StaticLossScaler):
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1  # clean steps before this one since the overflow
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor

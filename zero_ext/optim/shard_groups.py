@@ -24,7 +24,7 @@ After the step the pieces hold the new values: nothing is all-gathered; modules 
 at their next forward, and ZeroModel refreshes the persistent parameters.
 """
 import contextlib
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,6 +131,9 @@ class ShardReducer(StreamingReducer):
         self.buckets: Dict[torch.dtype, list] = {}
         self.pending: List = []
         self.seen = set()
+        self.given: Dict[int, torch.Tensor] = {}  # gradients handed to _add, by id(zp), until flushed
+        self._leaf_grads: Dict[int, torch.Tensor] = {}
+        self.deferred: Optional[Dict[int, torch.Tensor]] = None  # coalesce_grad_reduction: id(zp) -> summed grad
         self.buffers: List[torch.Tensor] = []  # in flight, for memory accounting
         # ranks confirm the fetches made along the prefetch trace before each reduction, so that one
         # that left the trace raises rather than meeting a reduction with a gather (zero/coordinator.py)
@@ -143,18 +146,52 @@ class ShardReducer(StreamingReducer):
         """Whether gradients are summed over several ranks (then averaged)."""
         return self.world > 1 or self.replicas is not None
 
+    def begin_deferral(self) -> None:
+        """From now on each backward's full gradients are summed here, beside the partitioned parameters,
+        instead of reduced (coalesce.py); end_deferral(flush=True) reduces them as one backward would."""
+        self.deferred = {}
+
+    def end_deferral(self, flush: bool) -> None:
+        deferred, self.deferred = self.deferred, None
+        if not flush:
+            return
+        for g in self.groups:  # in optimizer order, the same on every rank (leaves: finish_backward's)
+            for zp in g.zparams:
+                if id(zp) in deferred and not getattr(zp.param, "ds_z3_leaf_module", False):
+                    zp.param.grad = None
+                    self._add(zp, deferred.pop(id(zp)))
+        self._leaf_grads = deferred
+        self.finish_backward()
+
+    def _defer(self, zp) -> None:
+        grad = zp.param.grad
+        if grad is None:
+            return
+        zp.param.grad = None
+        held = self.deferred.get(id(zp))
+        if held is None:
+            self.deferred[id(zp)] = grad.detach().reshape(-1).clone()
+        else:
+            held.add_(grad.reshape(-1))
+
     def _on_grad(self, zp) -> None:
         if id(zp) not in self.where:
             return  # not trained by this engine (frozen, or outside its param groups)
+        if self.deferred is not None:
+            self._defer(zp)
+            return
         if getattr(zp.param, "ds_z3_leaf_module", False):
             return  # a leaf's parameters are reduced together at the end of backward (see finish_backward)
         self._add(zp)
 
-    def _add(self, zp) -> None:
+    def _add(self, zp, grad: Optional[torch.Tensor] = None) -> None:
+        """Into its dtype's bucket: zp's gradient, ``param.grad`` unless given (a deferred one, flat)."""
         dtype = self.avg.dtype_of(zp.param)
         bucket = self.buckets.get(dtype)
         if bucket is not None and bucket[0] and bucket[1] + zp.numel > self.bucket_size:
             self._flush(dtype)
+        if grad is not None:
+            self.given[id(zp)] = grad
         bucket = self.buckets.setdefault(dtype, [[], 0])
         bucket[0].append(zp)
         bucket[1] += zp.numel
@@ -173,7 +210,7 @@ class ShardReducer(StreamingReducer):
             for zp in members:
                 gi, i = self.where[id(zp)]
                 g = self.groups[gi]
-                accumulate(g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]], _full_grad(zp), 1.0)
+                accumulate(g.grad[g.offsets[i]:g.offsets[i] + g.shards[i]], self._full_grad(zp), 1.0)
                 zp.param.grad = None
             return
         while len(self.pending) >= self.MAX_IN_FLIGHT:
@@ -194,7 +231,7 @@ class ShardReducer(StreamingReducer):
             return
         block, pieces = planner.shard_bucket_pieces(numels, self.world, list(range(len(members))))
         buf = torch.zeros(self.world * block, dtype=dtype, device=device)
-        grads = [_full_grad(zp) for zp in members]
+        grads = [self._full_grad(zp) for zp in members]
         for p in pieces:
             buf[p.bucket_offset:p.bucket_offset + p.length].copy_(grads[p.param][p.param_offset:p.param_offset + p.length])
         for zp in members:
@@ -226,7 +263,7 @@ class ShardReducer(StreamingReducer):
     def _reduce_quantized(self, members, dtype: torch.dtype):
         """qgZ on CPU: this rank's block as an fp32 sum (a PendingReduce), packed straight from the full
         gradients, which are then freed (quantized_reduce.py; with ``hierarchy``, two levels)."""
-        grads = [_full_grad(zp).to(dtype).contiguous() for zp in members]
+        grads = [self._full_grad(zp).to(dtype).contiguous() for zp in members]
         if self.avg.pre != 1.0:
             grads = [g * self.avg.pre for g in grads]
         for zp in members:
@@ -253,14 +290,23 @@ class ShardReducer(StreamingReducer):
         self.pending = [e for e in self.pending if e is not entry]
         self.buffers = [b for b in self.buffers if b is not block]
 
+    def _full_grad(self, zp) -> torch.Tensor:
+        given = self.given.pop(id(zp), None)
+        return given if given is not None else _param_grad(zp)
+
     def finish_backward(self) -> None:
+        if self.deferred is not None:  # coalesce_grad_reduction: a leaf's gradients are summed like the others
+            for zp in (z for g in self.groups for z in g.zparams if getattr(z.param, "ds_z3_leaf_module", False)):
+                self._defer(zp)
+            return
+        leaf_grads, self._leaf_grads = self._leaf_grads, {}
         # Leaf modules (zero/leaf.py) run their children in a data-dependent order, so their parameters'
         # gradients arrive in a different order, or not at all, on each rank: they are reduced here, in
         # ds_id order on every rank, an unused one as zeros (DeepSpeed fills zeros for unused experts).
         leaves = sorted((zp for g in self.groups for zp in g.zparams
                          if getattr(zp.param, "ds_z3_leaf_module", False)), key=lambda z: z.ds_id)
         for zp in leaves:
-            self._add(zp)
+            self._add(zp, leaf_grads.get(id(zp)))
         self.flush()
         self.wait_all()
         unused = [zp.name for g in self.groups for zp in g.zparams if id(zp) not in self.seen]
@@ -273,7 +319,7 @@ class ShardReducer(StreamingReducer):
             g.remove_hooks()
 
 
-def _full_grad(zp) -> torch.Tensor:
+def _param_grad(zp) -> torch.Tensor:
     """A parameter's full gradient, flat; zeros for one that got none (an unused leaf's expert)."""
     if zp.param.grad is None:
         return torch.zeros(zp.numel, dtype=zp.dtype, device=zp.shard.device)

@@ -49,6 +49,7 @@ class ZeroOptimizer(GradientViews):
         self.global_grad_norm: Optional[float] = None
         self.loss_scaler = loss_scaler or StaticLossScaler(1.0)
         self.overflow = False
+        self.check_overflow = True  # False (bf16.check_grad_overflow false): a non-finite gradient is stepped on
         self.reduced = False  # this step's gradients are averaged already
         self.after_step_hooks = list(after_step)  # run after each applied step (stage 3: refresh persistent pieces)
         self.nvme = None  # ZeRO-Infinity: the NVMeStateStore holding masters and optimizer state (attach_nvme)
@@ -77,6 +78,11 @@ class ZeroOptimizer(GradientViews):
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scaler.dynamic
+
+    def needs_scaler(self) -> bool:
+        """Whether a loss must be scaled before backward (fp16 with a loss scale): DeepSpeed's question
+        before a direct loss.backward() (optim/direct_backward.py)."""
+        return self.dynamic_loss_scale or self.cur_scale != 1.0
 
     # DeepSpeed's optimizer attributes that libraries and scripts read: read-only views of our groups
     @property
@@ -219,7 +225,7 @@ class ZeroOptimizer(GradientViews):
         norm = math.sqrt(self.grad_sq_norm()) / scale
         self.global_grad_norm = norm
         self.overflow = not math.isfinite(norm)
-        if self.overflow:
+        if self.overflow and self.check_overflow:
             self.end_of_step()
             self.loss_scaler.update(True)
             return False

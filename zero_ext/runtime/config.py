@@ -19,6 +19,22 @@ from ..config.batch import resolve_batch
 from .eigenvalue import eigenvalue_settings
 
 
+# DeepSpeed's optimizer type names (config "optimizer.type", compared lower-case)
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = "onebitadam", "zerooneadam", "onebitlamb"
+MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER = "muadam", "muadamw", "musgd"
+LION_OPTIMIZER, MUON_OPTIMIZER = "lion", "muon"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER,
+                        ONEBIT_LAMB_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER,
+                        MUSGD_OPTIMIZER, LION_OPTIMIZER, MUON_OPTIMIZER]
+TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode", True
+
+
+def get_log_level(param_dict: Dict[str, Any]) -> Optional[str]:
+    """The config dict's ``log_level`` (None when absent)."""
+    return param_dict.get("log_level")
+
+
 DeepSpeedConfigError = ConfigError  # DeepSpeed's name; what a bad config raises here (a ValueError)
 
 
@@ -137,4 +153,5 @@ class DeepSpeedConfig:
         logging.getLogger("zero_ext").info("%s:\n%s", name, json.dumps(self._param_dict, indent=4, default=str))
 
 
-__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedConfigError", "get_log_level", "DEEPSPEED_OPTIMIZERS", "TORCH_ADAM_PARAM",
+           "ADAM_W_MODE", "ADAM_W_MODE_DEFAULT"] + [name for name in dir() if name.endswith("_OPTIMIZER")]

@@ -7,6 +7,7 @@ Files:
 - logging.py: ``deepspeed.utils.logging`` (``logger``; Lightning sets its level through that path).
 - z3_leaf_module.py: ``deepspeed.utils.z3_leaf_module`` (leaf modules by class, name or name suffix).
 - moe.py: ``deepspeed.moe.utils``'s optimizer-group splitter (no MoE here: groups pass unchanged).
+- init_on_device.py: ``deepspeed.OnDevice`` (a module's tensors made on a device, in a floating dtype).
 - estimate.py: the ZeRO-2 / ZeRO-3 memory estimators (DeepSpeed's names and table; zero_ext's bytes).
 """
 from .safe_state import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,  # noqa: F401
@@ -21,6 +22,7 @@ from .z3_leaf_module import (get_z3_leaf_modules, set_z3_leaf_module, set_z3_lea
                              set_z3_leaf_modules_by_name, set_z3_leaf_modules_by_suffix, unset_z3_leaf_modules,
                              z3_leaf_module, z3_leaf_parameter)
 from .moe import split_params_into_different_moe_groups_for_optimizer  # noqa: F401
+from .init_on_device import OnDevice  # noqa: F401
 
 __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
            "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
@@ -29,4 +31,4 @@ __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_opti
            "safe_update_full_grad_vectorized", "logging", "logger", "zero_to_fp32", "z3_leaf_module",
            "get_z3_leaf_modules", "set_z3_leaf_modules", "set_z3_leaf_modules_by_name",
            "set_z3_leaf_modules_by_suffix", "set_z3_leaf_module", "unset_z3_leaf_modules", "z3_leaf_parameter",
-           "split_params_into_different_moe_groups_for_optimizer"]
+           "split_params_into_different_moe_groups_for_optimizer", "OnDevice"]

@@ -35,6 +35,7 @@ Files, one noun each (docs/zero3.md has the design):
 - tree.py: tensors inside a module's inputs and outputs; internal.py: zero_ext's own tensor work,
   hidden from its TorchFunctionModes.
 - utils.py: DeepSpeed's ``deepspeed.runtime.zero.utils`` names.
+- linear.py: DeepSpeed's ZeRO-3 linear function (zero3_linear_wrap), which zero_ext's models do not need.
 """
 from .convert import partition_module
 from .external import register_external_parameter, unregister_external_parameter

@@ -1,16 +1,23 @@
-"""DeepSpeed's ``deepspeed.runtime.zero.linear``: LinearModuleForZeroStage3, a Linear whose forward is an
-autograd function that runs under the caller's autocast state in both passes (torch.amp.custom_fwd /
-custom_bwd for the accelerator's device).
+"""DeepSpeed's ZeRO-3 linear function (``deepspeed.runtime.zero.linear``): ``zero3_linear_wrap(input,
+weight, bias=None)`` computes ``F.linear`` through ``LinearFunctionForZeroStage3``, an autograd Function
+that saves only its inputs and recomputes nothing.
 
-DeepSpeed's zero.Init swaps F.linear for it with ``memory_efficient_linear`` so that autograd saves no
-gathered weight; zero_ext never swaps anything (its hooks free gathered weights after each forward either
-way, docs/config.md), so this module is only for code that builds the class by name.
+zero_ext's ZeRO-3 does not need it: its hooks gather a parameter again before any backward that uses it,
+whatever autograd saved (zero/hooks.py), so plain ``F.linear`` is what its models run. It is here for
+code that calls DeepSpeed's function by name. As DeepSpeed's: it works under ``torch.func`` transforms
+(``setup_context`` and a generated vmap rule), and its backward runs under the autocast state its
+forward had, not the caller's (kept on the node as ``fwd_used_autocast`` / ``autocast_dtype``;
+DeepSpeed's names have a leading underscore).
+
+Also ``LinearModuleForZeroStage3`` (a Linear computed by it) and ``autocast_custom_fwd`` /
+``autocast_custom_bwd`` (torch.amp.custom_fwd / custom_bwd bound to the accelerator's device type).
 """
 import functools
 
 import torch
 
 from ..accelerator import get_accelerator
+
 
 
 def noop_decorator(func):
@@ -31,33 +38,46 @@ def _autocast_decorators():
 
 autocast_custom_fwd, autocast_custom_bwd = _autocast_decorators()
 
+def _autocast_state(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return True, torch.get_autocast_dtype(device_type)
+    return False, None
+
 
 class LinearFunctionForZeroStage3(torch.autograd.Function):
-    """y = x W^T + b, with the backward under the forward's autocast state."""
+    generate_vmap_rule = True
 
     @staticmethod
-    @autocast_custom_fwd
-    def forward(ctx, input, weight, bias=None):
+    def forward(input, weight, bias=None):
+        # (inside forward the caller's autocast still applies: F.linear runs in its dtype)
+        return torch.nn.functional.linear(input, weight, bias)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        input, weight, bias = (tuple(inputs) + (None,))[:3]
         ctx.save_for_backward(input, weight, bias)
-        out = input.matmul(weight.t())  # (under autocast: in its dtype; the bias joins in that dtype too)
-        return out + bias.to(out.dtype) if bias is not None else out
+        ctx.device_type = input.device.type
+        ctx.fwd_used_autocast, ctx.autocast_dtype = _autocast_state(ctx.device_type)
 
     @staticmethod
-    @autocast_custom_bwd
     def backward(ctx, grad_output):
         input, weight, bias = ctx.saved_tensors
-        grad_input = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_input = grad_output.matmul(weight.to(grad_output.dtype))
-        if ctx.needs_input_grad[1]:
-            rows = grad_output.reshape(-1, grad_output.shape[-1])
-            grad_weight = rows.t().matmul(input.reshape(-1, input.shape[-1]).to(rows.dtype)).to(weight.dtype)
-        if bias is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0).to(bias.dtype)
+        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.fwd_used_autocast):
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_output.matmul(weight.to(grad_output.dtype))
+            if ctx.needs_input_grad[1]:
+                go = grad_output.reshape(-1, grad_output.shape[-1])
+                grad_weight = go.t().matmul(input.reshape(-1, input.shape[-1]).to(go.dtype))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         return grad_input, grad_weight, grad_bias
 
 
 def zero3_linear_wrap(input, weight, bias=None):
+    """``F.linear(input, weight, bias)`` through LinearFunctionForZeroStage3."""
+    if bias is None:
+        return LinearFunctionForZeroStage3.apply(input, weight)
     return LinearFunctionForZeroStage3.apply(input, weight, bias)
 
 
@@ -66,3 +86,7 @@ class LinearModuleForZeroStage3(torch.nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return LinearFunctionForZeroStage3.apply(input, self.weight, self.bias)
+
+
+__all__ = ["LinearFunctionForZeroStage3", "LinearModuleForZeroStage3", "autocast_custom_bwd", "autocast_custom_fwd",
+           "noop_decorator", "zero3_linear_wrap"]

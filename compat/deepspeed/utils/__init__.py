@@ -9,6 +9,6 @@ from zero_ext.utils import logger, set_z3_leaf_modules, unset_z3_leaf_modules, g
 from zero_ext.comm import is_initialized  # noqa: F401
 # Each import below loads this package's submodule (binding it here, over the star import's names), then
 # z3_leaf_module is rebound to the function, as in DeepSpeed; the submodule stays importable by path.
-from .logging import logger  # noqa: F401,F811,E402
+from .logging import logger, get_log_level_from_string, set_log_level_from_string  # noqa: F401,F811,E402
 from .zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401,E402
 from .z3_leaf_module import z3_leaf_module  # noqa: F401,F811,E402

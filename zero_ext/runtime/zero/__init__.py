@@ -8,6 +8,7 @@ Files:
 - stage_1_and_2.py / stage3.py: the ZeRO-2 / ZeRO-3 memory estimators (utils/estimate.py); stage3.py also
   ``unwrap_model_for_generation`` (zero/generation.py).
 - utils.py: is_zero_param.
+- linear.py: zero3_linear_wrap, LinearFunctionForZeroStage3 (zero/linear.py).
 """
 from ...zero import GatheredParameters, Init, MiCS_Init, ZeroParamStatus, register_external_parameter  # noqa: F401
 from ...zero.tiling import TiledLinear  # noqa: F401

@@ -1,0 +1,2 @@
+"""``deepspeed.runtime.constants``."""
+from zero_ext.runtime.constants import *  # noqa: F401,F403

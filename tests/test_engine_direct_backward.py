@@ -1,0 +1,100 @@
+"""loss.backward() called directly on the engine's output, and engine.scale(loss)
+(zero_ext/optim/direct_backward.py): the same parameters as engine.backward(loss) at every stage, with
+gradient accumulation and for a non-scalar backward; fp16 needs engine.scale; torch.func transforms and
+losses not computed through the engine's forward are left alone."""
+import pytest
+import torch
+
+from helpers.harness import RankFailed, run_ranks
+from helpers.models import MLP
+
+
+def _config(stage, gas, fp16=False):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": gas,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    if fp16:
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def _train(stage, gas, how, fp16=False):
+    import zero_ext
+
+    torch.manual_seed(0)
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(stage, gas, fp16))
+    dtype = torch.float16 if fp16 else torch.float32
+    gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(2 * gas):
+        x, y = MLP.batch(2, gen, dtype)
+        out = engine(x)
+        loss = (out.float() - y.float()).pow(2).mean()
+        if how == "engine":
+            engine.backward(loss)
+        elif how == "direct":
+            loss.backward()
+        elif how == "scaled":
+            engine.scale(loss).backward()
+        else:  # non-scalar: the output's own gradient
+            out.backward(2 * (out - y) / out.numel())
+        engine.step()
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    steps = engine.global_steps
+    engine.destroy()
+    return params, steps
+
+
+def _compare(stage, gas, how, fp16=False):
+    ref, ref_steps = _train(stage, gas, "engine", fp16)
+    got, steps = _train(stage, gas, how, fp16)
+    return max((ref[n] - got[n]).abs().max().item() for n in ref), steps == ref_steps == 2
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("gas", [1, 2])
+def test_direct_backward_matches_engine_backward(stage, gas):
+    for diff, steps_ok in run_ranks(2, _compare, stage, gas, "direct"):
+        assert diff < 1e-6 and steps_ok
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_non_scalar_backward_and_fp16_scale(stage):
+    for diff, steps_ok in run_ranks(2, _compare, stage, 2, "nonscalar"):
+        assert diff < 1e-6 and steps_ok
+    for diff, steps_ok in run_ranks(2, _compare, stage, 1, "scaled", True):
+        assert diff < 1e-3 and steps_ok  # (fp16 parameters)
+
+
+def _fp16_unscaled(stage):
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(stage, 1, fp16=True))
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0), torch.float16)
+    (engine(x) - y).pow(2).float().mean().backward()
+
+
+def test_fp16_direct_backward_without_scale_is_refused():
+    with pytest.raises(RankFailed, match=r"engine.scale\(loss\).backward\(\)"):
+        run_ranks(1, _fp16_unscaled, 2)
+
+
+def _torch_func_and_scale_errors():
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(1, 1))
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0))
+    params = dict(engine.module.named_parameters())
+    grads = torch.func.grad(lambda p: torch.func.functional_call(engine, p, (x,)).pow(2).mean())(params)
+    errors = []
+    for bad in (torch.ones(2, requires_grad=True) * 2, torch.tensor(1.0)):
+        try:
+            engine.scale(bad)
+        except AssertionError as exc:
+            errors.append(str(exc))
+    return engine.phase.value, len(grads), errors
+
+
+def test_torch_func_is_not_counted_and_scale_checks_the_loss():
+    phase, n, errors = run_ranks(1, _torch_func_and_scale_errors)[0]
+    assert phase == "idle" and n == 6  # (frozen parameters too: functional_call differentiates them all)
+    assert len(errors) == 2 and all("scalar tensor with a grad_fn" in e for e in errors)

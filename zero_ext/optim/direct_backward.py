@@ -1,0 +1,117 @@
+"""``loss.backward()`` called directly on an engine's output (DeepSpeed's "torch-style backward"), and
+``engine.scale(loss)``.
+
+``engine.backward(loss)`` divides the loss by the accumulation steps, multiplies it by the fp16 loss
+scale and counts the micro step. A script (or a library: several engines with one combined loss, a
+non-scalar ``out.backward(grad)``) may call autograd itself instead. For that the engine marks the
+tensors its forward returns (``watch``): a gradient flowing back through one of them is divided by the
+accumulation steps there, and the end of that backward is counted as ``engine.backward`` counts it,
+so the step after it applies the same gradients. The fp16 loss scale cannot be applied that way (the
+overflow check reads scaled gradients): with fp16 the loss must go through ``engine.scale(loss)`` first,
+and a direct backward without it raises at its end, before the step could use unscaled gradients.
+
+Under torch.func transforms (grad, vmap, ...) the marks do nothing: those backward passes belong to the
+transform, not to training. Gradients that do not flow through a forward output of the engine are not
+seen here; the step then refuses them as before (engine.py). Where we differ from DeepSpeed: ZeRO stage
+0 accepts a direct backward too (DeepSpeed refuses it there, lacking the hooks its other stages use).
+"""
+import contextlib
+
+import torch
+
+from .. import comm
+from ..config.errors import EngineUsageError
+
+
+def _functorch_transforming() -> bool:
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _tensors(out, found=None):
+    """The tensors with a grad_fn inside a forward's output (tensors, sequences, mappings, dataclasses)."""
+    found = [] if found is None else found
+    if isinstance(out, torch.Tensor):
+        if out.grad_fn is not None:
+            found.append(out)
+    elif isinstance(out, (list, tuple)):
+        for item in out:
+            _tensors(item, found)
+    elif isinstance(out, dict):  # (transformers' ModelOutput is a dict too)
+        for item in out.values():
+            _tensors(item, found)
+    return found
+
+
+class DirectBackward:
+    """One engine's bookkeeping for backward passes it did not start (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.in_engine_backward = False  # engine.backward() is running: it scales and counts itself
+        self.scaled = False  # engine.scale() was called since the last direct backward
+        self.pending = False  # a direct backward is running; its end is queued
+
+    def watch(self, out) -> None:
+        """Marks the tensors of a forward's output (only when a backward can follow)."""
+        if not torch.is_grad_enabled() or _functorch_transforming():
+            return
+        for t in _tensors(out):
+            t.register_hook(self._on_grad)
+
+    @contextlib.contextmanager
+    def engine_backward(self):
+        self.in_engine_backward = True
+        try:
+            yield
+        finally:
+            self.in_engine_backward = False
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss multiplied by the loss scale (fp16; 1 otherwise), for ``engine.scale(loss).backward()``."""
+        self.engine._require_optimizer("scale")
+        if not torch.is_tensor(loss) or loss.numel() != 1 or loss.grad_fn is None:
+            raise EngineUsageError("engine.scale(loss): loss must be a scalar tensor with a grad_fn (for a "
+                                   "non-scalar output call out.backward(grad) directly)")
+        self.scaled = True
+        scale = self.engine.optimizer.cur_scale
+        return loss * scale if scale != 1.0 else loss
+
+    def _on_grad(self, grad):
+        if self.in_engine_backward or _functorch_transforming():
+            return grad
+        if not self.pending:
+            self.engine._require_optimizer("backward")  # (raises out of loss.backward())
+            self.pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        gas = self.engine.gradient_accumulation_steps()
+        return grad / gas if gas > 1 and grad is not None else grad
+
+    def _finish(self) -> None:
+        self.pending = False
+        scaled, self.scaled = self.scaled, False
+        if self.engine.optimizer.needs_scaler() and not scaled:
+            raise EngineUsageError("Loss scaling is required (fp16), but loss.backward() was called directly on an "
+                                   "unscaled loss: call engine.scale(loss).backward() or engine.backward(loss)")
+        self.engine._advance("backward", "loss.backward()")
+
+    def refuse_outside_gradients(self) -> None:
+        """step() without a counted backward: an error if gradients are there anyway, i.e. the script ran
+        autograd on a loss not computed through the engine's forward (unscaled for accumulation and fp16,
+        and uncounted). Collective: every rank reaches this step() the same way, and all must agree to raise."""
+        engine = self.engine
+        if engine.phase.value == "accumulated":  # a backward ran earlier in this accumulation: its gradients
+            return
+        groups = engine.optimizer.flat_groups
+        found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
+        if engine.world_size > 1:
+            flag = torch.tensor([1.0 if found else 0.0], device=engine.device)  # (offloaded grads live on the host)
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+            found = bool(flag.item())
+        if found:
+            raise EngineUsageError("engine.step(): the parameters have gradients, but engine.backward() was not called "
+                                   "since the last step: call engine.backward(loss) instead of loss.backward(). The "
+                                   "engine scales the loss for gradient accumulation (and fp16) and counts the micro "
+                                   "step there; gradients from a plain loss.backward() would be applied wrongly (it is "
+                                   "counted only for a loss computed from the engine's own forward, engine(batch))")
