@@ -308,7 +308,7 @@ REFUSED = [
      "UnimplementedFeatureError", "use offload_optimizer.device 'cpu'"),
     ({"zero_optimization": OFFLOAD, "optimizer": {"type": "AdamW", "params": {"torch_adam": True}}},
      "ClientOptimizerError", "without params.torch_adam"),
-    ({"data_types": {"grad_accum_dtype": "fp32"}}, "ConfigError", "accumulate in bf16 partitions"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, "UnsupportedDtypeError", "accumulate in bf16 partitions"),
 ]
 
 

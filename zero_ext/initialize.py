@@ -77,9 +77,10 @@ def _check_grad_accum_dtype(cfg) -> None:
     stage = cfg.zero_optimization.stage
     if cfg.bf16.bf16_master_weights_and_grads:  # the gradient partitions are bf16 (optim/bf16_master.py)
         if want != "bf16":
-            raise ConfigError(f"data_types.grad_accum_dtype = {want!r}: with bf16.bf16_master_weights_and_grads "
-                              "the gradients accumulate in bf16 partitions; remove the key (or set it to bf16), "
-                              "or remove bf16_master_weights_and_grads to accumulate in fp32")
+            raise UnsupportedDtypeError(
+                f"data_types.grad_accum_dtype = {want!r}: with bf16.bf16_master_weights_and_grads the gradients "
+                "accumulate in bf16 partitions; remove the key (or set it to bf16), or remove "
+                "bf16_master_weights_and_grads to accumulate in fp32")
         return
     bf16_fp32 = stage == 1 and cfg.precision == "bf16" and want == "fp32"
     actual = "fp32" if stage == 2 or bf16_fp32 else cfg.precision
