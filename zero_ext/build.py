@@ -208,7 +208,7 @@ def buffer_dtype(cfg) -> Optional[torch.dtype]:
     0.19.5+, fp16/bf16 cast the parameters only; a buffer keeps the dtype it was built in (an fp32 rotary
     ``inv_freq`` stays fp32), unless zero.Init built it in its dtype."""
     name = cfg.data_types.buffer_dtype
-    return None if name is None else {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return None if name is None else _DTYPES[name]
 
 
 def _cast_floating(tensors, dtype: Optional[torch.dtype]) -> None:

@@ -11,11 +11,10 @@ initialised process group, else 1. The attributes below are the ones scripts and
 """
 from typing import Any, Dict, Optional, Union
 
-import torch
-
 from ..comm import get_rank, get_world_size, is_initialized
 from ..config import ConfigError, load_config
 from ..config.batch import resolve_batch
+from ..precision.autocast import autocast_dtype_of
 from .eigenvalue import eigenvalue_settings
 
 
@@ -105,7 +104,7 @@ class DeepSpeedConfig:
     @property
     def torch_autocast_dtype(self):
         """The configured autocast dtype as a torch dtype (None when not given), as DeepSpeed's."""
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.torch_autocast.dtype)
+        return autocast_dtype_of(self.config)
 
     @property
     def torch_autocast_lower_precision_safe_modules(self):
