@@ -249,6 +249,21 @@ def test_grad_accum_dtype_other_than_what_the_stage_does_is_refused():
         _engine(config)
 
 
+@pytest.mark.parametrize("stage, precision, want, actual", [(2, "bf16", "bf16", "fp32"), (3, "fp32", "fp16", "fp32"),
+                                                            (1, "fp32", "bf16", "fp32")])
+def test_grad_accum_dtype_the_stage_lacks_is_ignored_with_a_warning_at_stages_1_to_3(stage, precision, want, actual):
+    # DeepSpeed's ZeRO optimizers accept data_types.grad_accum_dtype and ignore it (test_multiple_models relies on it)
+    config = {**BASE, "data_types": {"grad_accum_dtype": want}, "zero_optimization": {"stage": stage}}
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    with pytest.warns(UserWarning, match=rf"grad_accum_dtype = '{want}' is ignored: ZeRO stage {stage} .*in {actual}"):
+        engine, *_ = _engine(config)
+    x = torch.randn(2, 7, dtype=next(engine.module.parameters()).dtype)
+    engine.backward(engine(x).float().pow(2).mean())
+    engine.step()
+    assert engine.global_steps == 1
+
+
 def _bucket_dtype_and_bytes():
     config = {**BASE, "bf16": {"enabled": True}, "communication_data_type": "fp32",
               "zero_optimization": {"stage": 2, "reduce_bucket_size": 50}}

@@ -70,7 +70,8 @@ def initialize(args=None, model: Optional[torch.nn.Module] = None, optimizer=Non
 def _check_grad_accum_dtype(cfg) -> None:
     """Stage 2 accumulates gradients in fp32 partitions; stages 0/1 in the model's dtype (as DeepSpeed's
     stage 1 does), except bf16 at stage 1 with grad_accum_dtype fp32, which accumulates in a full fp32
-    buffer (DeepSpeed's BF16 optimizer). data_types.grad_accum_dtype may name what happens."""
+    buffer (DeepSpeed's BF16 optimizer). At stages 1-3 another grad_accum_dtype is ignored with a warning
+    (DeepSpeed ignores it silently); at stage 0 it is refused, as DeepSpeed refuses mixes it lacks."""
     want = cfg.data_types.grad_accum_dtype
     if want is None:
         return
@@ -84,7 +85,12 @@ def _check_grad_accum_dtype(cfg) -> None:
         return
     bf16_fp32 = stage == 1 and cfg.precision == "bf16" and want == "fp32"
     actual = "fp32" if stage == 2 or bf16_fp32 else cfg.precision
-    if want != actual:
+    if want != actual and stage >= 1:  # DeepSpeed's ZeRO optimizers accept the key and ignore it: so do we, aloud
+        warnings.warn(f"data_types.grad_accum_dtype = {want!r} is ignored: ZeRO stage {stage} with "
+                      f"{cfg.precision} parameters accumulates gradients in {actual} (as DeepSpeed's stage {stage} "
+                      "does); remove the key to silence this", UserWarning, stacklevel=3)
+        return
+    if want != actual:  # stage 0: DeepSpeed raises NotImplementedError for a mix it lacks
         raise UnsupportedDtypeError(
             f"data_types.grad_accum_dtype = {want!r}: ZeRO stage {stage} with {cfg.precision} parameters "
             f"accumulates gradients in {actual}, and zero_ext implements no other choice yet; remove the key"
