@@ -54,13 +54,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ] || [ "$installed" != "$here/ze
 	(cd / && "$PY" -c 'import zero_ext._C') || { say "the build did not produce zero_ext._C"; exit 1; }
 	echo "$digest" > "$stamp"
 fi
-# Hugging Face: transformers, accelerate and trl, and Lightning (each only if it does not import), then
+# Hugging Face: transformers, accelerate, trl and peft, Lightning, and matplotlib (the estimator CLI's --plot),
+# each only if it does not import, then
 # zero_ext's `deepspeed`
 # compatibility package (compat/, editable) so that they take their DeepSpeed path into zero_ext. A real
 # DeepSpeed already installed is left alone (compat/ would replace it; its build refuses to).
 hf_missing=$("$PY" - <<'PYEOF'
 import importlib.util
-print(" ".join(m for m in ("transformers", "accelerate", "trl", "lightning") if importlib.util.find_spec(m) is None))
+print(" ".join(m for m in ("transformers", "accelerate", "trl", "lightning", "peft", "matplotlib") if importlib.util.find_spec(m) is None))
 PYEOF
 )
 if [ -n "$hf_missing" ]; then
