@@ -109,7 +109,8 @@ class DataTypesConfig(ConfigModel):
         None, "Dtype gradients are accumulated in (fp16, bf16, fp32); unset: the parameter "
         "dtype. zero_ext: stage 2 accumulates in fp32; stage 1 with bf16 and fp32 adds each micro "
         "step's gradients into a full fp32 buffer reduced in fp32 (DeepSpeed's BF16 optimizer); "
-        "any other value than what the stage does is refused at initialize.")
+        "any other value than what the stage does is ignored with a warning at stages 1-3 (as "
+        "DeepSpeed ignores it) and refused at stage 0.")
     param_dtype: Optional[str] = option(
         None, "Dtype of the model's parameters (fp16, bf16, fp32): they are cast to the fp16/bf16 "
         "mode's dtype, which this must match when set.")
