@@ -98,3 +98,59 @@ def test_torch_func_is_not_counted_and_scale_checks_the_loss():
     phase, n, errors = run_ranks(1, _torch_func_and_scale_errors)[0]
     assert phase == "idle" and n == 6  # (frozen parameters too: functional_call differentiates them all)
     assert len(errors) == 2 and all("scalar tensor with a grad_fn" in e for e in errors)
+
+
+def _two_engines_one_loss(stage, shared):
+    """Two engines, one combined loss through engine.module (DeepSpeed's test_multiple_models): a
+    loss.backward() then engine._backward_epilogue() on each, against each engine's own engine.backward."""
+    import zero_ext
+
+    engines = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        engines.append(zero_ext.initialize(model=MLP(), config=_config(stage, 1))[0])
+    gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    for _ in range(2):
+        x, y = MLP.batch(2, gen, torch.float32)
+        losses = [(e.module(x) - y).pow(2).mean() / (i + 1) for i, e in enumerate(engines)]
+        if shared:
+            sum(losses).backward()
+            for e in engines:
+                e._backward_epilogue()
+        else:
+            for e, loss in zip(engines, losses):
+                e.backward(loss)
+        for e in engines:
+            e.step()
+    params = []
+    for e in engines:
+        with zero_ext.zero.GatheredParameters(list(e.module.parameters())):
+            params.append({n: p.detach().clone() for n, p in e.module.named_parameters()})
+        assert e.global_steps == 2
+        e.destroy()
+    return params
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_backward_epilogue_counts_a_shared_loss_backward(stage):
+    want = run_ranks(2, _two_engines_one_loss, stage, False)
+    got = run_ranks(2, _two_engines_one_loss, stage, True)
+    for ref_rank, got_rank in zip(want, got):
+        for ref, params in zip(ref_rank, got_rank):
+            assert max((ref[n] - params[n]).abs().max().item() for n in ref) < 1e-6
+
+
+def _fp16_epilogue_unscaled():
+    import zero_ext
+
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(2, 1, fp16=True))
+    x, y = MLP.batch(2, torch.Generator().manual_seed(0), torch.float16)
+    (engine.module(x) - y).pow(2).float().mean().backward()
+    with pytest.warns(RuntimeWarning, match=r"unscaled loss .*divides these gradients by the loss scale \(256\)"):
+        engine._backward_epilogue()
+    engine.step()  # runs, as in DeepSpeed
+    return engine.global_steps
+
+
+def test_backward_epilogue_on_an_unscaled_fp16_loss_warns():
+    assert run_ranks(1, _fp16_epilogue_unscaled) == [1]

@@ -334,6 +334,11 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         """DeepSpeed's: the loss times the fp16 loss scale, for ``engine.scale(loss).backward()``."""
         return self.direct_backward.scale(loss)
 
+    def _backward_epilogue(self) -> None:
+        """DeepSpeed's: the end of a backward the engine did not run (through ``engine.module``): counted
+        as ``engine.backward`` counts it, so that the next step() applies its gradients."""
+        self.direct_backward.count("engine._backward_epilogue()", unscaled_is_error=False)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         if not self.managed_gradient_accumulation():  # the caller's every step() is the boundary
             return True

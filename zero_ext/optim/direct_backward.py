@@ -16,6 +16,7 @@ seen here; the step then refuses them as before (engine.py). Where we differ fro
 0 accepts a direct backward too (DeepSpeed refuses it there, lacking the hooks its other stages use).
 """
 import contextlib
+import warnings
 
 import torch
 
@@ -90,11 +91,23 @@ class DirectBackward:
 
     def _finish(self) -> None:
         self.pending = False
+        self.count("loss.backward()")
+
+    def count(self, what: str, unscaled_is_error: bool = True) -> None:
+        """Counts a backward the engine did not run, as engine.backward counts its own; also DeepSpeed's
+        ``engine._backward_epilogue()``, which scripts call after a backward through ``engine.module``
+        (several engines, one loss: DeepSpeed's test_multiple_models), where no output was watched. That
+        one, as in DeepSpeed, runs on an unscaled fp16 loss too: a warning says what the step will do."""
+        self.engine._require_optimizer("backward")
         scaled, self.scaled = self.scaled, False
         if self.engine.optimizer.needs_scaler() and not scaled:
-            raise EngineUsageError("Loss scaling is required (fp16), but loss.backward() was called directly on an "
-                                   "unscaled loss: call engine.scale(loss).backward() or engine.backward(loss)")
-        self.engine._advance("backward", "loss.backward()")
+            problem = f"Loss scaling is required (fp16), but {what} counts a backward of an unscaled loss"
+            fix = "call engine.scale(loss).backward() or engine.backward(loss)"
+            if unscaled_is_error:
+                raise EngineUsageError(f"{problem}: {fix}")
+            warnings.warn(f"{problem} (unless it was scaled by hand): the step divides these gradients by the loss "
+                          f"scale ({self.engine.optimizer.cur_scale:g}); {fix}", RuntimeWarning, stacklevel=3)
+        self.engine._advance("backward", what)
 
     def refuse_outside_gradients(self) -> None:
         """step() without a counted backward: an error if gradients are there anyway, i.e. the script ran
