@@ -233,3 +233,30 @@ def _bf16_overflow(check):
 def test_bf16_check_grad_overflow_false_steps_on_overflowing_gradients():
     assert run_ranks(2, _bf16_overflow, True)[0] == (1, False, True)  # the default: skipped, parameters kept
     assert run_ranks(2, _bf16_overflow, False)[0] == (0, True, False)  # as asked: stepped on, inf/nan now
+
+
+def _loss_scale_config(fp16):
+    import zero_ext
+
+    torch.manual_seed(0)
+    precision = ({"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}}
+                 if fp16 else {"bf16": {"enabled": True}})
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": LR}}, **precision}
+    engine, opt, _, _ = zero_ext.initialize(model=MLP(), config=config)
+    view = opt.loss_scale_config  # live: read before the steps
+    gen, seen = torch.Generator().manual_seed(0), []
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    for step in range(4):
+        loss = engine.module.loss(MLP.batch(2, gen, dtype))
+        engine.backward(loss * (float("inf") if step == 0 else 1.0))
+        engine.step()
+        seen.append((view.cur_scale, view.cur_iter, view.last_overflow_iter))
+    return view.use_grad_scaling, view.dynamic_loss_scale, view.scale_window, view.min_loss_scale, seen
+
+
+def test_loss_scale_config_is_deepspeeds_view_of_the_scaler():
+    fp16 = run_ranks(1, _loss_scale_config, True)[0]
+    # the overflow at step 0 halves 256 (hysteresis 1); the scale doubles on the 3rd clean step after it
+    assert fp16 == (True, True, 2, 1.0, [(128.0, 1, 0), (128.0, 2, 0), (128.0, 3, 0), (256.0, 4, 0)])
+    bf16 = run_ranks(1, _loss_scale_config, False)[0]
+    assert bf16[:4] == (False, False, None, None) and bf16[4][-1] == (1.0, 0, None)

@@ -79,6 +79,33 @@ class DynamicLossScaler(StaticLossScaler):
         self.__dict__.update({k: state[k] for k in self.state_dict()})
 
 
+class LossScaleView:
+    """A live, read-only view of a scaler under DeepSpeed's names (``optimizer.loss_scale_config``: its
+    LossScaleConfig, which its tests and some training loops read)."""
+
+    def __init__(self, scaler: StaticLossScaler, fp16: bool):
+        self._scaler, self.use_grad_scaling = scaler, fp16
+
+    def __getattr__(self, name):
+        scaler = self._scaler
+        dynamic = scaler.dynamic
+        if name == "dynamic_loss_scale":
+            return dynamic
+        if name == "cur_scale":
+            return scaler.cur_scale
+        if name == "cur_iter":
+            return scaler.cur_iter if dynamic else 0
+        if name in ("last_overflow_iter", "scale_factor", "scale_window"):
+            return getattr(scaler, name) if dynamic else None
+        if name == "min_loss_scale":
+            return scaler.min_scale if dynamic else None
+        raise AttributeError(f"loss_scale_config has no attribute {name!r}")
+
+    def __repr__(self):
+        names = ("use_grad_scaling", "dynamic_loss_scale", "cur_scale", "cur_iter", "scale_window")
+        return "LossScaleConfig(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
+
+
 def scaler_from_config(fp16) -> StaticLossScaler:
     """The scaler an ``fp16`` config section asks for (scale 1 when fp16 is off)."""
     if not fp16.enabled:

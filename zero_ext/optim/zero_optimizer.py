@@ -24,7 +24,7 @@ from ..ops.functional import grad_sqnorm
 from .factory import adopt_masters
 from .flat_group import FlatGroup
 from .grad_views import GradientViews
-from .loss_scaler import StaticLossScaler
+from .loss_scaler import LossScaleView, StaticLossScaler
 from .factory import is_cpu_optimizer
 from .nvme_step import nvme_step
 
@@ -78,6 +78,12 @@ class ZeroOptimizer(GradientViews):
     @property
     def dynamic_loss_scale(self) -> bool:
         return self.loss_scaler.dynamic
+
+    @property
+    def loss_scale_config(self) -> LossScaleView:
+        """DeepSpeed's LossScaleConfig of this optimizer: the scaler's state under its names (read-only)."""
+        fp16 = any(p.dtype == torch.float16 for g in self.flat_groups for p in g.params)
+        return LossScaleView(self.loss_scaler, fp16)
 
     def needs_scaler(self) -> bool:
         """Whether a loss must be scaled before backward (fp16 with a loss scale): DeepSpeed's question
