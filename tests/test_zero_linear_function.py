@@ -42,12 +42,12 @@ def test_backward_keeps_the_forwards_autocast_state():
     x, w = _tensors((2, 8), (4, 8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         half = zero3_linear_wrap(x, w)
-    assert half.dtype == torch.bfloat16 and half.grad_fn.fwd_used_autocast is True
+    assert half.dtype == torch.bfloat16 and half.grad_fn._fwd_used_autocast is True
     half.float().sum().backward()
     assert w.grad.dtype == x.grad.dtype == torch.float32
     x.grad = w.grad = None
     full = zero3_linear_wrap(x, w)
-    assert full.grad_fn.fwd_used_autocast is False
+    assert full.grad_fn._fwd_used_autocast is False
     with torch.autocast("cpu", dtype=torch.bfloat16):  # the caller's autocast does not reach the backward
         full.sum().backward()
     ref_w = torch.ones(2, 4).t() @ x.detach()

@@ -6,8 +6,8 @@ zero_ext's ZeRO-3 does not need it: its hooks gather a parameter again before an
 whatever autograd saved (zero/hooks.py), so plain ``F.linear`` is what its models run. It is here for
 code that calls DeepSpeed's function by name. As DeepSpeed's: it works under ``torch.func`` transforms
 (``setup_context`` and a generated vmap rule), and its backward runs under the autocast state its
-forward had, not the caller's (kept on the node as ``fwd_used_autocast`` / ``autocast_dtype``;
-DeepSpeed's names have a leading underscore).
+forward had, not the caller's (kept on the node under DeepSpeed's names, ``_fwd_used_autocast`` /
+``_dtype``, which its tests read).
 
 Also ``LinearModuleForZeroStage3`` (a Linear computed by it) and ``autocast_custom_fwd`` /
 ``autocast_custom_bwd`` (torch.amp.custom_fwd / custom_bwd bound to the accelerator's device type).
@@ -57,12 +57,12 @@ class LinearFunctionForZeroStage3(torch.autograd.Function):
         input, weight, bias = (tuple(inputs) + (None,))[:3]
         ctx.save_for_backward(input, weight, bias)
         ctx.device_type = input.device.type
-        ctx.fwd_used_autocast, ctx.autocast_dtype = _autocast_state(ctx.device_type)
+        ctx._fwd_used_autocast, ctx._dtype = _autocast_state(ctx.device_type)
 
     @staticmethod
     def backward(ctx, grad_output):
         input, weight, bias = ctx.saved_tensors
-        with torch.autocast(ctx.device_type, dtype=ctx.autocast_dtype, enabled=ctx.fwd_used_autocast):
+        with torch.autocast(ctx.device_type, dtype=ctx._dtype, enabled=ctx._fwd_used_autocast):
             grad_input = grad_weight = grad_bias = None
             if ctx.needs_input_grad[0]:
                 grad_input = grad_output.matmul(weight.to(grad_output.dtype))
