@@ -187,3 +187,12 @@ def test_onecycle_momentum_may_be_given_per_group():
     cfg = load_config({"scheduler": {"type": "OneCycle", "params": {
         "cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_min_mom": [0.8, 0.85], "cycle_max_mom": 0.9}}})
     assert cfg.scheduler.params["cycle_min_mom"] == [0.8, 0.85]
+
+
+def test_torch_adam_beside_params_is_ignored_with_a_warning():
+    # DeepSpeed reads torch_adam from optimizer.params only (its test_fp16 writes it beside them)
+    with pytest.warns(UserWarning, match=r"optimizer.torch_adam = False is ignored.*move it into params"):
+        cfg = load_config({"optimizer": {"type": "Adam", "torch_adam": False, "params": {"lr": 1e-3}}})
+    assert cfg.optimizer.params == {"lr": 1e-3}
+    with pytest.raises(ConfigError, match="optimizer.torch_adam"):
+        load_config({"optimizer": {"type": "Adam", "torch_adam": "maybe"}})

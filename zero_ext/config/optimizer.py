@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from .base import ConfigModel, Float, option, rule_errors
-from .errors import unknown_key_message
+from .errors import ConfigWarning, unknown_key_message, warn
 from .optim_params import AdagradParams, LionParams, MuonParams, betas_in_range, torch_optimizer_problems
 from .params import auto_keys_under, check_params
 
@@ -94,6 +94,9 @@ class OptimizerConfig(ConfigModel):
         default_factory=dict, auto_inside=True)
     legacy_fusion: bool = option(False, "Legacy fused fp16 optimizer wrapper (DeepSpeed "
                                  "FP16_Optimizer option).")
+    torch_adam: Optional[bool] = option(
+        None, "Ignored with a warning: torch_adam is read from optimizer.params. DeepSpeed ignores "
+        "it here too (its own tests write it here).")
 
     @field_validator("type")
     @classmethod
@@ -103,6 +106,9 @@ class OptimizerConfig(ConfigModel):
     @model_validator(mode="after")
     def _check_params(self, info: ValidationInfo) -> "OptimizerConfig":
         problems: List[Tuple[str, Any, str]] = []
+        if self.torch_adam is not None:
+            warn(f"optimizer.torch_adam = {self.torch_adam!r} is ignored: torch_adam is read from "
+                 "optimizer.params (DeepSpeed ignores it here too); move it into params", ConfigWarning)
         if "max_grad_norm" in self.params:
             problems.append(("params.max_grad_norm", self.params["max_grad_norm"],
                              "is not an optimizer parameter: use the top-level "
