@@ -174,6 +174,13 @@ class Accelerator:
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
         return tensor.pin_memory() if self._name == "cuda" else tensor
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_pinned() if self._name == "cuda" else False
+
+    def is_synchronized_device(self) -> bool:
+        """DeepSpeed's: whether work on this device runs in the caller's order (the CPU), i.e. has no streams."""
+        return self._name != "cuda"
+
     def __getattr__(self, name: str):
         raise AttributeError(f"zero_ext's accelerator (zero_ext/accelerator/) has no '{name}': only the part of "
                              "DeepSpeed's accelerator interface that libraries are known to call is provided")

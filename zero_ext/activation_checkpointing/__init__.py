@@ -11,8 +11,11 @@ Files:
   contiguous buffers) and makes of it again (all-gather, copy back); the bytes held now.
 - checkpoint.py: ``checkpoint`` over torch's reentrant checkpoint, ``non_reentrant_checkpoint``, ``reset``,
   the boundary synchronisation and the profile log.
+- offload_hidden_states.py: ``CheckpointHiddenStatesOffload``, host offload of the hidden states torch's
+  non-reentrant checkpoint keeps (DeepSpeed's offload_activations module).
 """
 from .checkpoint import checkpoint, non_reentrant_checkpoint, reset
+from .offload_hidden_states import CheckpointHiddenStatesOffload, get_checkpoint_hidden_states_offloading_ctx_manager
 from .saved import held, held_bytes
 from .settings import (CheckpointingConfigError, configure, configure_from_engine, current, deepspeed_globals,
                        is_configured, reset_settings)

@@ -1,2 +1,2 @@
 """``deepspeed.runtime.activation_checkpointing``: zero_ext.activation_checkpointing (``deepspeed.checkpointing``)."""
-from . import checkpointing  # noqa: F401
+from . import checkpointing, offload_activations  # noqa: F401
