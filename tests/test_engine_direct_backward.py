@@ -154,3 +154,46 @@ def _fp16_epilogue_unscaled():
 
 def test_backward_epilogue_on_an_unscaled_fp16_loss_warns():
     assert run_ranks(1, _fp16_epilogue_unscaled) == [1]
+
+
+def _hand_set_gradients(stage):
+    """Two steps whose gradients the script assigns to .grad (no backward), each rank its own."""
+    import zero_ext
+
+    torch.manual_seed(0)
+    engine, *_ = zero_ext.initialize(model=MLP(), config=_config(stage, 1))
+    rank = torch.distributed.get_rank()
+    for step in range(2):
+        for i, p in enumerate(p for p in engine.module.parameters() if p.requires_grad):
+            p.grad = torch.full_like(p, 0.1 * (i + 1) * (rank + 1) * (step + 1))
+        engine.step()
+    with zero_ext.zero.GatheredParameters(list(engine.module.parameters())):
+        return [p.detach().clone() for p in engine.module.parameters()], engine.global_steps
+
+
+def _hand_set_reference(world):
+    torch.manual_seed(0)
+    model = MLP()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    for step in range(2):
+        for i, p in enumerate(params):  # the mean of what the ranks assigned
+            p.grad = torch.full_like(p, 0.1 * (i + 1) * (step + 1) * sum(r + 1 for r in range(world)) / world)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)  # (gradient_clipping's default)
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_gradients_assigned_by_hand_are_averaged_and_applied_at_stages_0_and_1(stage):
+    want = _hand_set_reference(2)
+    for params, steps in run_ranks(2, _hand_set_gradients, stage):
+        assert steps == 2
+        assert max((a - b).abs().max().item() for a, b in zip(params, want)) < 1e-6
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_assigned_by_hand_at_stages_2_and_3_are_refused(stage):
+    with pytest.raises(RankFailed, match=r"assigned by hand, but ZeRO stage \d reduces gradients during "
+                                         r"engine.backward\(\).*use ZeRO stage 0 or 1"):
+        run_ranks(2, _hand_set_gradients, stage)

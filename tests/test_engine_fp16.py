@@ -73,10 +73,11 @@ def _engine_run(stage, world, gas, model_name, consecutive):
 
 
 class RefScaler:
-    """DeepSpeed's dynamic loss scaler, restated for the test."""
+    """DeepSpeed's dynamic loss scaler, restated for the test (stage 0: its FP16_Optimizer's, without hysteresis)."""
 
-    def __init__(self, consecutive):
-        self.scale, self.hyst, self.consecutive = 2.0 ** FP16["initial_scale_power"], FP16["hysteresis"], consecutive
+    def __init__(self, consecutive, stage=1):
+        self.full = 1 if stage == 0 else FP16["hysteresis"]
+        self.scale, self.hyst, self.consecutive = 2.0 ** FP16["initial_scale_power"], self.full, consecutive
         self.it, self.last_overflow = 0, -1
 
     def update(self, overflow):
@@ -88,10 +89,10 @@ class RefScaler:
             self.last_overflow = self.it
         else:
             if self.consecutive:
-                self.hyst = FP16["hysteresis"]
+                self.hyst = self.full
             stable = self.it - self.last_overflow - 1  # (DeepSpeed >= 0.17: doubles on the (window+1)-th clean step)
             if stable > 0 and stable % FP16["loss_scale_window"] == 0:
-                self.hyst = FP16["hysteresis"]
+                self.hyst = self.full
                 self.scale *= 2
         self.it += 1
 
@@ -103,7 +104,7 @@ def _reference(stage, world, gas, model_name, consecutive):
     lp = dict(model.named_parameters())
     master = {n: lp[n].detach().float().clone() for n in names}
     opt = torch.optim.AdamW([master[n] for n in names], lr=LR, weight_decay=0.01, foreach=False)
-    scaler, trajectory = RefScaler(consecutive), []
+    scaler, trajectory = RefScaler(consecutive, stage), []
     for step, micros in enumerate(_batches(model_name, world, gas)):
         grads = {n: torch.zeros_like(master[n]) for n in names}
         for micro in micros:
@@ -173,6 +174,22 @@ def test_scaler_at_the_floor_raises_deepspeeds_error():
     assert s.cur_scale == 1
     with pytest.raises(LossScaleFloorError, match="cannot decrease any further"):
         s.update(True)
+
+
+def test_stage0_scaler_halves_on_every_overflow_and_stays_at_the_floor():
+    from zero_ext.config import load_config
+    from zero_ext.optim.loss_scaler import scaler_from_config
+
+    fp16 = load_config({"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 3,
+                                                        "hysteresis": 2}}).fp16
+    stage0, stage1 = scaler_from_config(fp16, 0), scaler_from_config(fp16, 1)
+    seen = []
+    for _ in range(5):  # DeepSpeed's stage-0 FP16_Optimizer: no hysteresis, no error at min_loss_scale
+        stage0.update(True)
+        seen.append(stage0.cur_scale)
+    assert seen == [4, 2, 1, 1, 1]
+    stage1.update(True)  # ZeRO stages: the hysteresis absorbs the first overflow
+    assert stage1.cur_scale == 8
 
 
 def _static_scale():

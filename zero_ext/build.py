@@ -445,7 +445,7 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
             reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
     opt = ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
                         world, loss_scaler=gradscaler_like() if autocast_dtype == torch.float16 else
-                        scaler_from_config(cfg.fp16), process_group=pg, after_step=after_step,
+                        scaler_from_config(cfg.fp16, zc.stage), process_group=pg, after_step=after_step,
                         nvme_pieces=nvme_pieces, model_parallel=parallel)
     opt.check_overflow = not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow)
     return opt

@@ -378,6 +378,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
             raise EngineUsageError(f"It is illegal to call Engine.step() inside no_sync context manager (here "
                                    f"engine.{self._no_sync}()): leave the block first (gradients are reduced after it)")
         self._require_loaded("step")  # (even with nothing to apply: the state it would step is parked)
+        if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED) and self.direct_backward.take_hand_set_gradients():
+            self._advance("backward", "engine.step")  # (gradients assigned to .grad by the script: this step's)
         if self.phase not in (StepPhase.BACKWARD, StepPhase.REDUCED):
             self.direct_backward.refuse_outside_gradients()
             warnings.warn("engine.step() was called before engine.backward() in this micro step: "

@@ -45,6 +45,16 @@ def _tensors(out, found=None):
     return found
 
 
+def _assigned(g) -> bool:
+    """Whether a parameter of group ``g`` has a ``.grad`` other than the engine's own: at stages 0/1 each
+    parameter's ``.grad`` is its view of the group's flat ``lp_grad``; at stages 2/3 there is none."""
+    lp = getattr(g, "lp_grad", None)
+    if lp is None:
+        return any(p.grad is not None for p in g.params)
+    ptr, size = lp.data_ptr(), lp.element_size()
+    return any(p.grad is not None and p.grad.data_ptr() != ptr + off * size for p, off in zip(g.params, g.offsets))
+
+
 class DirectBackward:
     """One engine's bookkeeping for backward passes it did not start (see the module docstring)."""
 
@@ -108,6 +118,29 @@ class DirectBackward:
             warnings.warn(f"{problem} (unless it was scaled by hand): the step divides these gradients by the loss "
                           f"scale ({self.engine.optimizer.cur_scale:g}); {fix}", RuntimeWarning, stacklevel=3)
         self.engine._advance("backward", what)
+
+    def take_hand_set_gradients(self) -> bool:
+        """step() without a counted backward, where the script assigned the parameters' ``.grad`` itself
+        (``p.grad = tensor``, as torch's optimizers and DeepSpeed's stage-0 optimizers allow; DeepSpeed's
+        test_dynamic_loss_scale steps that way). Stages 0/1 keep the parameters' gradients in one flat
+        buffer that the boundary reduces and collects assigned tensors into, so there they are this step's
+        gradients: averaged across the ranks and, in fp16, taken as scaled by the loss scale, as a
+        backward's would be. Stages 2/3 reduce inside backward and never read ``.grad``: assigned ones
+        would be dropped without a word, so they raise. Collective, like the step: True when any rank has
+        assigned gradients."""
+        engine = self.engine
+        groups = engine.optimizer.flat_groups
+        assigned = any(_assigned(g) for g in groups)
+        if engine.world_size > 1:
+            flag = torch.tensor([1.0 if assigned else 0.0], device=engine.device)
+            comm.all_reduce(flag, op=comm.ReduceOp.MAX)
+            assigned = bool(flag.item())
+        if assigned and any(getattr(g, "lp_grad", None) is None for g in groups):
+            raise EngineUsageError(f"engine.step(): parameters have .grad assigned by hand, but ZeRO stage "
+                                   f"{engine.optimizer.stage} reduces gradients during engine.backward() and never "
+                                   "reads .grad, so they would be dropped. Compute them with engine.backward(loss), "
+                                   "or use ZeRO stage 0 or 1, which take assigned gradients")
+        return assigned
 
     def refuse_outside_gradients(self) -> None:
         """step() without a counted backward: an error if gradients are there anyway, i.e. the script ran

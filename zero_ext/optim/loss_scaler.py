@@ -9,6 +9,9 @@ the optimizer divides it out again. Dynamic scaling, per step (DeepSpeed's rules
   the clean step that follows every ``scale_window`` clean steps since the last overflow (or the start),
   i.e. on the (window+1)-th, as DeepSpeed does since 0.17 (and, without ``consecutive_hysteresis``, the
   hysteresis refills then).
+At ZeRO stage 0 DeepSpeed's fp16 optimizers (FP16_Optimizer, FP16_UnfusedOptimizer) apply their own,
+simpler rule, and so does stage 0 here: every overflow halves the scale (no hysteresis) and at
+``min_loss_scale`` the step is skipped and the scale stays there (no error).
 """
 
 
@@ -40,8 +43,10 @@ class DynamicLossScaler(StaticLossScaler):
     dynamic = True
 
     def __init__(self, init_scale: float = 2.0 ** 16, scale_window: int = 1000, min_scale: float = 1.0,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, scale_factor: float = 2.0):
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False, scale_factor: float = 2.0,
+                 raise_at_floor: bool = True):
         super().__init__(init_scale)
+        self.raise_at_floor = raise_at_floor
         self.scale_window, self.min_scale, self.scale_factor = scale_window, float(min_scale), scale_factor
         self.delayed_shift = hysteresis
         self.cur_hysteresis = hysteresis
@@ -52,7 +57,7 @@ class DynamicLossScaler(StaticLossScaler):
     def update(self, overflow: bool) -> None:
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale <= self.min_scale:
+                if self.cur_scale <= self.min_scale and self.raise_at_floor:
                     raise LossScaleFloorError(
                         f"fp16 gradients overflow at the minimum loss scale ({self.min_scale:g}): the scale "
                         "cannot decrease any further. Lower fp16.min_loss_scale, lower the learning rate, or "
@@ -106,15 +111,17 @@ class LossScaleView:
         return "LossScaleConfig(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
 
 
-def scaler_from_config(fp16) -> StaticLossScaler:
-    """The scaler an ``fp16`` config section asks for (scale 1 when fp16 is off)."""
+def scaler_from_config(fp16, stage: int = 1) -> StaticLossScaler:
+    """The scaler an ``fp16`` config section asks for (scale 1 when fp16 is off); ``stage`` 0 takes the
+    stage-0 rule (module docstring)."""
     if not fp16.enabled:
         return StaticLossScaler(1.0)
     if fp16.loss_scale > 0:
         return StaticLossScaler(fp16.loss_scale)
+    stage0 = stage == 0
     return DynamicLossScaler(init_scale=2.0 ** fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
-                             min_scale=fp16.min_loss_scale, hysteresis=fp16.hysteresis,
-                             consecutive_hysteresis=fp16.consecutive_hysteresis)
+                             min_scale=fp16.min_loss_scale, hysteresis=1 if stage0 else fp16.hysteresis,
+                             consecutive_hysteresis=fp16.consecutive_hysteresis, raise_at_floor=not stage0)
 
 
 def gradscaler_like() -> DynamicLossScaler:
