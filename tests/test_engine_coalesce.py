@@ -111,7 +111,7 @@ def _misuse(stage):
         with engine.no_sync():
             expect("inside_no_sync", lambda: engine.coalesce_grad_reduction().__enter__())
             engine.backward(engine.module.loss(batch))
-            expect("grad_in_no_sync", lambda: zero_ext.utils.safe_get_full_grad(engine.module.body.weight))
+            errors["grad_in_no_sync"] = zero_ext.utils.safe_get_full_grad(engine.module.body.weight).shape
     engine.step()  # the block's gradients, applied after it
     errors["applied"] = engine.was_step_applied()
     engine.destroy()
@@ -122,6 +122,7 @@ def _misuse(stage):
 def test_coalesce_block_misuse_errors(stage):
     out = run_ranks(1, _misuse, stage)[0]
     assert out.pop("applied") is True
+    own_grad_shape = out.pop("grad_in_no_sync", None)
     for key, (kind, msg) in out.items():
         assert issubclass(kind, AssertionError), (key, kind, msg)  # DeepSpeed asserts; ours subclass it
     assert "inside no_sync context manager" in out["step"][1] and "coalesce_grad_reduction" in out["step"][1]
@@ -129,4 +130,4 @@ def test_coalesce_block_misuse_errors(stage):
     assert "nested" in out["nested"][1]
     if stage < 2:
         assert "no_sync" in out["no_sync"][1] and "nested" in out["inside_no_sync"][1]
-        assert "inside engine.no_sync() the gradients are not averaged yet" in out["grad_in_no_sync"][1]
+        assert own_grad_shape == (13, 13)  # (this rank's own gradient: tests/test_engine_no_sync_reads.py)

@@ -179,6 +179,15 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
             self._advance("reduce_early", what)
         return self.optimizer
 
+    def unaveraged_gradients(self, what: str) -> Optional[str]:
+        """Inside ``no_sync()`` the safe_get gradient reads return this rank's own accumulated gradient, as
+        DeepSpeed's do (averaging it would defeat the block): the name of the block then (after the
+        lifecycle check), else None and the caller reads averaged gradients through ``gradients``."""
+        if self._no_sync != "no_sync":
+            return None
+        self._advance("read_gradients", what)
+        return self._no_sync
+
     def next_collective_seq(self) -> int:
         """The number of this engine's next collective API call (checkpoints, 16-bit saves): every rank
         must reach the same number (comm/collective_check.py)."""
@@ -314,7 +323,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         # (with accumulation, or a caller that sets the boundary itself as accelerate does, several backward
         # passes per step are the plan; at gradient_accumulation_steps 1 they are usually a missing step())
         if (self.phase is StepPhase.BACKWARD and not self._warned_second_backward
-                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None
+                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None and not self._no_sync
                 and self.managed_gradient_accumulation()):
             self._warned_second_backward = True
             warnings.warn("engine.backward() was called again before engine.step() with gradient_accumulation_steps "

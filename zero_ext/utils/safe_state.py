@@ -108,6 +108,17 @@ def _grads(w: _Where, what: str) -> torch.Tensor:
     return w.g.grad
 
 
+def _own_grads(w: _Where, lo: int, hi: int) -> torch.Tensor:
+    """Inside ``engine.no_sync()`` (stages 0/1): [lo, hi) of this rank's own accumulated flat gradient of
+    w's group, not averaged, in fp32 and still scaled (the callers divide by the loss scale). Stages 0/1
+    hold the whole flat gradient on every rank, the buffer the parameters' ``.grad`` view (stage 1 with
+    grad_accum_dtype fp32: the fp32 sum of the backward passes folded into it, plus any not folded yet)."""
+    g = w.g
+    g.collect_lp_grads()  # (a .grad that a model.zero_grad() detached from the buffer)
+    own = g.lp_grad[lo:hi].float()
+    return own + g.acc_grad[lo:hi] if g.acc_grad is not None else own
+
+
 def _state(w: _Where, key: str, what: str) -> torch.Tensor:
     state = w.opt.optimizer.state.get(w.g.master, {})
     if key not in state or not torch.is_tensor(state[key]) or state[key].dim() == 0:
@@ -141,10 +152,14 @@ def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
 
 @_collective
 def safe_get_full_grad(param) -> Optional[torch.Tensor]:
-    """The averaged fp32 gradient of param, full shape, unscaled. Collective."""
+    """The averaged fp32 gradient of param, full shape, unscaled. Collective. Inside ``engine.no_sync()``
+    this rank's own accumulated gradient, not averaged (DeepSpeed's answer there), and no collective."""
     w = _where(param)
     if w is None:
         return None
+    if w.engine.unaveraged_gradients("safe_get_full_grad"):
+        off = w.g.offsets[w.i]
+        return (_own_grads(w, off, off + w.g.numels[w.i]) / w.opt.cur_scale).view(_shape(param))
     return w.full(_grads(w, "safe_get_full_grad"), _shape(param), w.opt.cur_scale)
 
 
@@ -164,9 +179,14 @@ def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
 
 
 def safe_get_local_grad(param) -> Optional[torch.Tensor]:
-    """This rank's fragment of param's averaged fp32 gradient (1-D, unscaled)."""
+    """This rank's fragment of param's averaged fp32 gradient (1-D, unscaled); inside ``engine.no_sync()``
+    the same fragment of this rank's own accumulated gradient, not averaged."""
     w = _where(param)
-    return None if w is None else w.frags.read_local(_grads(w, "safe_get_local_grad"), w.opt.cur_scale)
+    if w is None:
+        return None
+    if w.engine.unaveraged_gradients("safe_get_local_grad"):
+        return w.frags.read_local(_own_grads(w, w.g.lo, w.g.hi), w.opt.cur_scale)
+    return w.frags.read_local(_grads(w, "safe_get_local_grad"), w.opt.cur_scale)
 
 
 @_in_memory(modified=False)
