@@ -331,3 +331,39 @@ def test_construction_mode_places_new_tensors_and_casts_floats():
                 torch.zeros_like(source), source.new_ones(2)]
     assert [t.device.type for t in made] == ["meta", "meta", "meta", "meta", "cpu", "cpu", "cpu"]
     assert [t.dtype for t in made] == [torch.bfloat16] * 3 + [torch.int64] + [torch.bfloat16] * 3
+
+
+def test_single_rank_group_error_names_the_launcher_world_and_the_fix():
+    from zero_ext.zero.convert import single_rank_group_error
+
+    message = single_rank_group_error(1, None, {"WORLD_SIZE": "8"})
+    assert "WORLD_SIZE=8" in message and "init_distributed" in message and "data_parallel_group" in message
+    for env in ({"WORLD_SIZE": "1"}, {}, {"WORLD_SIZE": ""}, {"WORLD_SIZE": "eight"}, {"WORLD_SIZE": None}):
+        assert single_rank_group_error(1, None, env) is None, env  # one process, or no evidence of more
+    assert single_rank_group_error(8, None, {"WORLD_SIZE": "8"}) is None  # the group shards
+    assert single_rank_group_error(1, object(), {"WORLD_SIZE": "8"}) is None  # a one-rank group passed on purpose
+
+
+def _init_under_a_bigger_launcher():
+    import os
+
+    from zero_ext import zero
+
+    launched = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = "4"  # (the launcher's world; this process group was initialised alone)
+    try:
+        with zero.Init():
+            nn.Linear(4, 4)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        if launched is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = launched
+    return None
+
+
+def test_zero_init_refuses_a_one_rank_group_under_a_multi_process_launcher():
+    message = run_ranks(1, _init_under_a_bigger_launcher)[0]
+    assert message is not None and "WORLD_SIZE=4" in message

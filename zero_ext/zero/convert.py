@@ -104,12 +104,29 @@ def partition_module(module: torch.nn.Module, group=None, remote_device=None, pi
     return converted
 
 
+def single_rank_group_error(dp_world_size: int, explicit_process_group=None, env=None) -> Optional[str]:
+    """DeepSpeed's guard (its issue 8084), as a message or None: a launcher started several processes
+    (``WORLD_SIZE`` in ``env``, default os.environ) but the group zero.Init partitions over has one rank,
+    so every rank would silently hold the whole model. A one-rank group passed explicitly is taken as
+    meant; a WORLD_SIZE that is not a number is no evidence either way."""
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    try:
+        launched = int((os.environ if env is None else env).get("WORLD_SIZE") or 0)
+    except (TypeError, ValueError):
+        return None
+    if launched <= 1:
+        return None
+    return (f"zero_ext: the launcher reports WORLD_SIZE={launched} but zero.Init's process group has one rank "
+            "(torch.distributed was initialised alone, e.g. by from_pretrained before init_distributed), so "
+            "parameters would not be partitioned and every rank would hold the whole model. Initialise the "
+            "process group with every rank (zero_ext.init_distributed()) before zero.Init, or pass "
+            "data_parallel_group if a one-rank group is meant.")
+
+
 def check_single_rank_group(group) -> None:
-    """DeepSpeed's guard (its issue 8084): a launcher started several processes but the partition group
-    has one rank, so every rank would silently hold the whole model."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if group is None and dist.is_initialized() and dist.get_world_size() == 1 and launched > 1:
-        raise RuntimeError(
-            f"zero_ext: the launcher started {launched} processes (WORLD_SIZE) but torch.distributed was "
-            "initialised with a world size of 1, so parameters would not be partitioned. Initialise the "
-            "process group with every rank (zero_ext.init_distributed()) before zero.Init.")
+    """Raises single_rank_group_error's message for the default (world) group."""
+    if dist.is_initialized():
+        problem = single_rank_group_error(dist.get_world_size(group), group)
+        if problem is not None:
+            raise RuntimeError(problem)

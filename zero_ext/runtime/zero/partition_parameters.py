@@ -6,6 +6,7 @@ from ...precision.autocast import get_allgather_dtype  # noqa: F401
 from ...zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter  # noqa: F401
 from ...zero import unregister_external_parameter  # noqa: F401
 from ...zero.ds_param_methods import AllGatherCoalescedHandle, MultipleAllGatherHandles  # noqa: F401
+from ...zero.convert import single_rank_group_error as _contradicting_single_rank_pg_error  # noqa: F401
 
 # transformers' prevent_arange_dtype_change() swaps zero_wrapper_for_fp_tensor_constructor for the
 # length of a zero.Init, so that DeepSpeed's tensor-constructor override leaves torch.arange's dtype
