@@ -34,7 +34,6 @@ CASES = {
     "fp16.fp16_master_weights_and_grads": (
         {"fp16": {"fp16_master_weights_and_grads": True}, "zero_optimization": {"stage": 2}},
         True),
-    "bf16.immediate_grad_update": ({"bf16": {"immediate_grad_update": True}}, True),
     "data_types.grad_accum_dtype": ({"data_types": {"grad_accum_dtype": "fp32"}}, "fp32"),
     "communication_data_type": ({"communication_data_type": "fp32"}, "fp32"),
     "optimizer.type": ({"optimizer": {"type": "Lamb"}}, "lamb"),

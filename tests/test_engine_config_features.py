@@ -292,7 +292,7 @@ def _bf16_batches(world):
     return [[[MLP.batch(2, gen, torch.bfloat16) for _ in range(world)] for _ in range(GAS)] for _ in range(STEPS)]
 
 
-def _bf16_run(accum):
+def _bf16_run(accum, immediate=None):
     import zero_ext
     from zero_ext.utils import safe_get_full_fp32_param
 
@@ -303,6 +303,8 @@ def _bf16_run(accum):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     if accum:
         config["data_types"] = {"grad_accum_dtype": accum}
+    if immediate is not None:
+        config["bf16"]["immediate_grad_update"] = immediate
     engine, *_ = zero_ext.initialize(model=MLP(), config=config)
     for step in _bf16_batches(world):
         for micro in step:
@@ -349,6 +351,15 @@ def test_bf16_grad_accum_fp32_at_stage_1_accumulates_in_fp32(world):
     if world == 1:  # bf16 accumulation (the default) gives other masters: the test tells them apart
         plain = run_ranks(1, _bf16_run, None)[0]
         assert any(not torch.equal(plain[n], want[n]) for n in want)
+
+
+def test_bf16_immediate_grad_update_trains_the_same_masters():
+    # DeepSpeed's BF16 optimizer adds each parameter's gradient at its hook; zero_ext at the backward's end:
+    # the same fp32 sums, so true and false give the reference's masters bit for bit
+    want = _bf16_fp32_accum_reference(2)
+    for immediate in (True, False):
+        got = run_ranks(2, _bf16_run, "fp32", immediate)[0]
+        assert all(torch.equal(got[n], want[n]) for n in want), immediate
 
 
 def test_grad_accum_dtype_fp32_with_bf16_at_stage_0_is_refused():

@@ -63,7 +63,11 @@ class BF16Config(ConfigModel):
 
     enabled: bool = option(False, "Train with bf16 parameters/gradients and fp32 master weights.")
     immediate_grad_update: bool = option(
-        False, "Apply gradient updates to the master copy as soon as they are reduced.")
+        False, "DeepSpeed's BF16 optimizer (bf16 with data_types.grad_accum_dtype fp32): add each "
+        "parameter's bf16 gradient into the fp32 accumulator as soon as its backward produced it, instead of "
+        "after the backward.", ds_note="zero_ext folds each backward's bf16 gradients into the fp32 "
+        "accumulator at the end of that backward either way: the sums are the same, only the moment "
+        "differs, so both values are accepted and train identically.")
     check_grad_overflow: bool = option(
         True, "Skip the step when the gradients overflow (inf/nan); false steps on them (the parameters "
         "become inf/nan).", ds_note="DeepSpeed's default is false (and it checks at stages 1-2 only); "

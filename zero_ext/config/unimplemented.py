@@ -38,7 +38,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "fp16.enabled": "fp16 mixed precision with loss scaling",
     "fp16.auto_cast": "fp16 input auto-cast",
     "fp16.fp16_master_weights_and_grads": "fp16 master weights",
-    "bf16.immediate_grad_update": "immediate bf16 gradient updates",
     "data_types.grad_accum_dtype": "a separate gradient-accumulation dtype",
     "communication_data_type": "gradient communication in another dtype",
     # -- optimizer, scheduler, gradients ---------------------------------------------------------
