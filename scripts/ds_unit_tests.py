@@ -2,6 +2,7 @@
 by file, with a table of counts: how issue 20's measurement is taken, so anyone can repeat it.
 
     python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests            # compat/ over zero_ext
+    python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --wide     # and the wider set
     python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --reference /venv/bin/python
 
 ``--tests`` is the ``tests`` folder of a DeepSpeed checkout (its conftest and unit/common.py harness
@@ -36,6 +37,23 @@ FILES = [
     "test_zero_tensor_fragment", "test_zero_tiled", "test_zeropp", "test_unwrap_model",
     "test_ignore_unused_parameters", "test_zero_offloadpp", "test_nvme_checkpointing", "test_zero_grad_clip",
     "test_zero_allreduce_fetch_params", "test_zero_autocast_mixed_dtype")]
+
+# The wider set measured since session 11 (--wide): ZeRO lifecycle, precision, no_sync, several models,
+# activation checkpointing and torch.autocast files.
+WIDE = [f"unit/v1/zero/{name}.py" for name in (
+    "test_overlap_comm_record_stream", "test_stage2_flatten_on_gpu", "test_zero2_offload_multi_backward",
+    "test_zero_activation_checkpoint_lifecycle", "test_zero_coalesce_grad_reduction",
+    "test_zero_cpu_offload_grad_accum", "test_zero_functorch_linear", "test_zero_hook_count_regression",
+    "test_zero_init_pg_contradiction", "test_zero_torch_func", "test_zero_autocast")] + [
+    f"unit/runtime/{name}.py" for name in (
+        "test_ds_initialize", "test_no_sync_ctxt", "test_multiple_models", "test_multi_output_model",
+        "test_precision_config_dynamic_scale", "test_precision_config_loss_scale", "test_runtime_utils",
+        "test_autocast", "half_precision/test_fp16", "half_precision/test_dynamic_loss_scale",
+        "half_precision/test_zero_optim_overflow", "zero/test_zero_autocast_mixed_dtype",
+        "activation_checkpointing/test_activation_checkpointing",
+        "activation_checkpointing/test_activation_checkpointing_non_reentrant",
+        "activation_checkpointing/test_offload_activations")] + [
+    "unit/v1/test_engine_log_level.py", "unit/v1/half_precision/test_with_autocast.py"]
 
 # Tests that expect DeepSpeed to refuse what zero_ext supports (documented differences, docs/api.md). They
 # are left out (--deselect) and counted in the "differ" column: run, their pytest.raises fails inside a
@@ -92,12 +110,13 @@ def main():
     p.add_argument("--ranks", type=int, default=2, help="LOCAL_SIZE: CPU devices the accelerator reports")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per file")
     p.add_argument("--logs", default="/tmp/ds_unit_logs")
+    p.add_argument("--wide", action="store_true", help=f"also the {len(WIDE)} files of the wider set")
     p.add_argument("files", nargs="*", help=f"test files below --tests (default: the {len(FILES)} of issue 20)")
     args = p.parse_args()
     os.makedirs(args.logs, exist_ok=True)
     total = {k: 0 for k in OUTCOMES + ("differ",)}
     print(f"{'file':58} " + " ".join(f"{k:>7}" for k in OUTCOMES + ("differ",)) + f" {'s':>6}")
-    for path in args.files or FILES:
+    for path in args.files or FILES + (WIDE if args.wide else []):
         row = run_file(args, path)
         for k in OUTCOMES + ("differ",):
             total[k] += row[k]
