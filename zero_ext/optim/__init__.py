@@ -8,6 +8,7 @@ Files:
   quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all (two levels across nodes).
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
 - nvme_step.py: the step with NVMe optimizer offload, all or nothing on every rank (NVMeStepError).
+- step_phase.py: StepPhase and TRANSITIONS, the engine's step lifecycle as a table (engine.phase).
 - step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing
   something else raises, named, on every rank).
 - loss_scaler.py: fp16 loss scaling, dynamic and static.
