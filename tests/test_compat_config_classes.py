@@ -149,12 +149,14 @@ def test_a_section_built_alone_is_checked_key_by_key_and_its_combinations_when_l
     with pytest.warns(ConfigDeprecationWarning):
         z = DeepSpeedZeroConfig(**{"cpu_offload_param": True})
     assert z.stage == 0 and z.offload_param.device == "cpu"
-    with pytest.raises(ConfigError, match="parameter offload needs ZeRO stage 3"):
-        z.overlap_comm = True
     z.stage = 3
     assert z.stage == 3
-    with pytest.raises(ConfigError, match="parameter offload needs ZeRO stage 3"):
-        load_config({"train_batch_size": 1, "zero_optimization": {"offload_param": {"device": "cpu"}}})
+    with pytest.raises(ConfigError, match="partial offload .* only supported with ZeRO stage 3"):
+        z.offload_optimizer = {"device": "cpu", "ratio": 0.5}
+        z.stage = 2
+    with pytest.raises(ConfigError, match="partial offload .* only supported with ZeRO stage 3"):
+        load_config({"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"device": "cpu",
+                                                                                        "ratio": 0.5}}})
 
 
 def test_offload_sections_are_importable_from_offload_config_too(ds):

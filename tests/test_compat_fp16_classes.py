@@ -1,6 +1,8 @@
 """DeepSpeed's stage-0 mixed-precision optimizer classes (``deepspeed.runtime.fp16``): FP16_Optimizer
-matches zero_ext's optimizer at stage 0 over a 16-bit model, FP16_UnfusedOptimizer nothing; stage 0's
-``fp32_groups_flat`` is the whole fp32 master of each group, the tensors the optimizer steps."""
+matches zero_ext's optimizer at stage 0 over a 16-bit model when the base is what DeepSpeed holds as its
+FusedAdam (a config Adam/AdamW section), FP16_UnfusedOptimizer when it is another (a client torch
+optimizer); stage 0's ``fp32_groups_flat`` is the whole fp32 master of each group, the tensors the
+optimizer steps, and ``fp32_groups`` the same masters per parameter."""
 import sys
 
 import pytest
@@ -11,7 +13,7 @@ from helpers.harness import run_ranks
 from helpers.models import MLP
 
 
-def _stage0(stage, precision):
+def _stage0(stage, precision, client):
     if COMPAT not in sys.path:
         sys.path.insert(0, COMPAT)
     import deepspeed
@@ -24,7 +26,10 @@ def _stage0(stage, precision):
               "zero_optimization": {"stage": stage}}
     if precision:
         config[precision] = {"enabled": True}
-    engine, opt, *_ = deepspeed.initialize(model=model, config=config)
+    if client:
+        del config["optimizer"]
+    engine, opt, *_ = deepspeed.initialize(model=model, config=config,
+                                           optimizer=torch.optim.AdamW(model.parameters()) if client else None)
     dtype = next(engine.module.parameters()).dtype
     engine.backward(model.loss(MLP.batch(2, torch.Generator().manual_seed(1), dtype)))
     engine.step()
@@ -35,6 +40,10 @@ def _stage0(stage, precision):
         views = all(m.dtype == torch.float32 and m.numel() == g.flat.numel() and torch.equal(m.to(g.dtype), g.flat)
                     and any(m is q for pg in opt.param_groups for q in pg["params"])
                     for m, g in zip(masters, opt.flat_groups)) and len(masters) == len(opt.flat_groups) > 0
+        per_param = all(torch.equal(v.flatten(), m[off:off + p.numel()]) and v.shape == p.shape
+                        for m, g, vs in zip(masters, opt.flat_groups, opt.fp32_groups)
+                        for p, off, v in zip(g.params, g.offsets, vs))
+        views = views and per_param
         refused = ""
     except AttributeError as exc:
         views, refused = None, str(exc)
@@ -42,11 +51,12 @@ def _stage0(stage, precision):
     return classes, views, refused
 
 
-@pytest.mark.parametrize("stage,precision,fp16_optimizer", [(0, "bf16", True), (0, None, False),
-                                                              (1, "bf16", False)])
-def test_fp16_optimizer_class_and_stage0_masters(stage, precision, fp16_optimizer):
-    for classes, views, refused in run_ranks(2, _stage0, stage, precision):
-        assert classes == (fp16_optimizer, False)
+@pytest.mark.parametrize("stage,precision,client,classes", [
+    (0, "bf16", False, (True, False)), (0, "bf16", True, (False, True)), (0, None, False, (False, False)),
+    (1, "bf16", True, (False, False))])
+def test_fp16_optimizer_class_and_stage0_masters(stage, precision, client, classes):
+    for found, views, refused in run_ranks(2, _stage0, stage, precision, client):
+        assert found == classes
         if stage == 0:
             assert views is True
         else:

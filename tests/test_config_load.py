@@ -233,9 +233,10 @@ def test_a_loaded_config_is_accepted_as_source():
     assert load_config(cfg, world_size=3) is cfg and cfg.train_batch_size == 6
 
 
-@pytest.mark.parametrize("value, words", [(5, "must be <= 3"), (2, "needs ZeRO stage 3")])
+@pytest.mark.parametrize("value, words", [(5, "must be <= 3"), (2, "only supported with ZeRO stage 3")])
 def test_refused_assignment_raises_config_error_and_changes_nothing(value, words):
-    cfg = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})
+    cfg = load_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                             "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})
     with pytest.raises(ConfigError, match=words):
         cfg.zero_optimization.stage = value
     assert cfg.zero_optimization.stage == 3

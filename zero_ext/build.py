@@ -37,7 +37,7 @@ from .nvme.store import NVMeStateStore
 from .nvme.swap_dir import check_nvme_path
 from .offload.plan import OffloadPlan
 from .optim.factory import (build_optimizer, check_client_optimizer, check_client_params, check_zero_optimizer,
-                            is_cpu_optimizer)
+                            is_cpu_optimizer, is_fused_like)
 from .optim.flat_group import FlatGroup
 from .optim.grad_reduce import Averaging, BoundaryReducer, BucketReducer
 from .optim.loss_scaler import gradscaler_like, scaler_from_config
@@ -86,6 +86,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
                                         parallel, mics, autocast_dtype)
+            made.zopt.fused_base = is_fused_like(cfg.optimizer, optimizer, base)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
             if plan.optimizer_device == "nvme":

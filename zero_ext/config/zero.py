@@ -210,6 +210,13 @@ class ZeroConfig(ConfigModel):
                                f"cannot be combined with its replacement {new}; remove {old}")
             elif value is not None:
                 data[new] = value
+        param, stage = data.get("offload_param"), data.get("stage", 0)
+        if isinstance(param, dict) and str(param.get("device", "none")) not in ("none", "None") \
+                and isinstance(stage, int) and stage != 3:
+            # DeepSpeed reads offload_param only at stage 3 and ignores it below, so configs carry it there
+            report.warning(f"{join_path(path, 'offload_param')} has no effect at ZeRO stage {stage}: parameters "
+                           "are offloaded only at stage 3 and stay on the device; set zero_optimization.stage to "
+                           "3 to offload them, or remove offload_param")
         return data
 
     # -- cross-key rules --------------------------------------------------------------------------
@@ -260,11 +267,7 @@ def _migrate_pin_memory(data: Dict[str, Any], path: str, report: Any) -> None:
 
 def _offload_rules(z: ZeroConfig):
     """Where offload is allowed. Yields (key, value, message)."""
-    param, optim = z.offload_param, z.offload_optimizer
-    if param is not None and param.device != OffloadDevice.none and z.stage != 3:
-        yield ("offload_param.device", param.device,
-               f"parameter offload needs ZeRO stage 3 (stage is {z.stage}); set "
-               "zero_optimization.stage to 3 or remove offload_param")
+    optim = z.offload_optimizer  # (offload_param below stage 3 only warns: migrate_raw)
     if optim is None:
         return
     if optim.device != OffloadDevice.none and z.stage == 0:

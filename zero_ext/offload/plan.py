@@ -56,7 +56,7 @@ class OffloadPlan:
     def __init__(self, zero_config):
         opt, par = zero_config.offload_optimizer, zero_config.offload_param
         self.optimizer_device = _device_name(opt)  # "none", "cpu" or "nvme"
-        self.param_device = _device_name(par)
+        self.param_device = _device_name(par) if zero_config.stage == 3 else "none"  # (ignored below stage 3)
         self.ratio = float(opt.ratio) if opt is not None else 1.0
         pin = (opt is not None and opt.pin_memory) or (par is not None and par.pin_memory)
         self.host = HostMemory(pin)

@@ -112,6 +112,14 @@ def check_client_optimizer(base: torch.optim.Optimizer, force_ds_cpu_optimizer: 
             'your optimizer anyway, set "zero_force_ds_cpu_optimizer": false.')
 
 
+def is_fused_like(opt_cfg, client, base: torch.optim.Optimizer) -> bool:
+    """Whether DeepSpeed would hold ``base`` as its FusedAdam: a FusedAdam passed in, or the one it builds
+    for a config Adam/AdamW section without torch_adam (what picks FP16_Optimizer over the unfused one)."""
+    if client is not None:
+        return type(base).__name__ == "FusedAdam"
+    return opt_cfg is not None and opt_cfg.is_adam and not opt_cfg.params_with_defaults().get("torch_adam")
+
+
 def is_cpu_optimizer(base: torch.optim.Optimizer) -> bool:
     """Whether ``base`` takes grad_scale/fp16_param_groups in step() (the fused offloaded step)."""
     return isinstance(base, CPUOptimizer)

@@ -88,10 +88,12 @@ class FlatGroup:
             self.master.grad = self.grad
         return self.grad
 
-    def attach_lp_grads(self) -> None:
-        """Points every parameter's ``.grad`` at its slice of ``lp_grad`` (autograd adds in place)."""
+    def attach_lp_grads(self, keep_assigned: bool = False) -> None:
+        """Points every parameter's ``.grad`` at its slice of ``lp_grad`` (autograd adds in place);
+        ``keep_assigned``: only those whose ``.grad`` is None."""
         for p, off, n in zip(self.params, self.offsets, self.numels):
-            p.grad = self.lp_grad[off:off + n].view(p.shape)
+            if not (keep_assigned and p.grad is not None):
+                p.grad = self.lp_grad[off:off + n].view(p.shape)
 
     def collect_lp_grads(self) -> None:
         """Brings gradients that left ``lp_grad`` back into it: a user's ``model.zero_grad()`` sets

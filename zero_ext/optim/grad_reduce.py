@@ -75,7 +75,13 @@ def _chunks(n: int, size: int):
 class BoundaryReducer:
     """Stages 0 and 1: reduce the accumulated flat gradients once per optimizer step. Groups that
     accumulate in fp32 (``FlatGroup.acc_grad``) get each backward's gradients folded in by a callback
-    at the end of that backward (queued by a post-accumulate hook of their parameters)."""
+    at the end of that backward (queued by a post-accumulate hook of their parameters).
+
+    Each parameter's ``.grad`` is its view of the group's flat ``lp_grad``, so autograd adds into the
+    buffer in place. After a step the views are let go (``.grad`` is None, as torch's and DeepSpeed's
+    ``zero_grad`` leave it); the buffer stays, and a hook that runs before the next backward's first
+    gradient accumulates puts the views back, so that backward adds in place again. A ``.grad`` the
+    script assigned by hand in between is kept, and the boundary copies it in (``collect_lp_grads``)."""
 
     def __init__(self, groups: List[FlatGroup], bucket_size: int, averaging: Averaging, process_group=None):
         self.groups, self.bucket_size, self.avg, self.pg = groups, bucket_size, averaging, process_group
@@ -83,6 +89,8 @@ class BoundaryReducer:
         self._fold_queued = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._queue_fold)
                        for g in self._folding for p in g.params]
+        self._detached = False
+        self._hooks += [p.register_hook(self._before_accumulate) for g in groups for p in g.params]
         self._runs = [self._dtype_runs(g) for g in groups]
 
     def _dtype_runs(self, g: FlatGroup) -> List[Tuple[int, int, torch.dtype]]:
@@ -99,6 +107,12 @@ class BoundaryReducer:
             else:
                 runs.append((0 if not runs else off, end, dtype))
         return runs
+
+    def _before_accumulate(self, _grad) -> None:
+        if self._detached:
+            self._detached = False
+            for g in self.groups:
+                g.attach_lp_grads(keep_assigned=True)
 
     def _queue_fold(self, _param) -> None:
         if not self._fold_queued:
@@ -165,7 +179,7 @@ class BoundaryReducer:
         pass
 
     def remove_hooks(self) -> None:
-        for h in self._hooks:  # (only fp32-accumulating groups have any: the folding hooks)
+        for h in self._hooks:
             h.remove()
         self._hooks = []
 
@@ -176,6 +190,9 @@ class BoundaryReducer:
                 g.acc_grad.zero_()
             if g.grad.data_ptr() != g.boundary_grad[g.lo:g.hi].data_ptr():
                 g.grad.zero_()
+            for p in g.params:
+                p.grad = None
+        self._detached = True
 
     def tensors(self):
         return []

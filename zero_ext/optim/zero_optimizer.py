@@ -23,13 +23,14 @@ from ..config import ConfigError
 from ..ops.functional import grad_sqnorm
 from .factory import adopt_masters
 from .flat_group import FlatGroup
+from .ds_attributes import DeepSpeedAttributes
 from .grad_views import GradientViews
-from .loss_scaler import LossScaleView, StaticLossScaler
+from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
 from .nvme_step import nvme_step
 
 
-class ZeroOptimizer(GradientViews):
+class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
     """Returned by ``initialize`` as ``optimizer``; ``param_groups`` and ``state`` are the base's (DeepSpeed's
     gradient attributes: grad_views.py)."""
 
@@ -60,80 +61,6 @@ class ZeroOptimizer(GradientViews):
         # each trainable parameter's place (flat group, index), for the state routines (utils/safe_state.py);
         # the groups hold the parameters, so their ids stay valid while this optimizer lives
         self._places = {id(p): (gi, i) for gi, g in enumerate(self.flat_groups) for i, p in enumerate(g.params)}
-
-    @property
-    def _global_grad_norm(self) -> Optional[float]:
-        """DeepSpeed's name of global_grad_norm (its tests and some training loops read it)."""
-        return self.global_grad_norm
-
-    @property
-    def cur_scale(self) -> float:
-        """The current loss scale (1 without fp16)."""
-        return self.loss_scaler.cur_scale
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        return self.loss_scaler.dynamic
-
-    @property
-    def loss_scale_config(self) -> LossScaleView:
-        """DeepSpeed's LossScaleConfig of this optimizer: the scaler's state under its names (read-only)."""
-        fp16 = any(p.dtype == torch.float16 for g in self.flat_groups for p in g.params)
-        return LossScaleView(self.loss_scaler, fp16)
-
-    def needs_scaler(self) -> bool:
-        """Whether a loss must be scaled before backward (fp16 with a loss scale): DeepSpeed's question
-        before a direct loss.backward() (optim/direct_backward.py)."""
-        return self.dynamic_loss_scale or self.cur_scale != 1.0
-
-    # DeepSpeed's optimizer attributes that libraries and scripts read: read-only views of our groups
-    @property
-    def fp16_groups(self) -> List[List[torch.nn.Parameter]]:
-        """The model parameters of each flat group (DeepSpeed's ``fp16_groups`` / ``bit16_groups``: per
-        param group at stages 1/2, per sub-group at stage 3), whatever the model's dtype."""
-        return [list(g.params) for g in self.flat_groups]
-
-    bit16_groups = fp16_groups
-
-    @property
-    def single_partition_of_fp32_groups(self) -> List[torch.Tensor]:
-        """Stages 1/2: this rank's fp32 master partition of each group (the tensors the optimizer steps)."""
-        return self._masters((1, 2), "single_partition_of_fp32_groups")
-
-    @property
-    def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
-        """Stage 3: this rank's fp32 master of each sub-group (its parameters' pieces back to back)."""
-        return self._masters((3,), "fp32_partitioned_groups_flat")
-
-    @property
-    def fp32_groups_flat(self) -> List[torch.Tensor]:
-        """Stage 0: each group's fp32 master, whole (DeepSpeed's FP16_Optimizer attribute)."""
-        return self._masters((0,), "fp32_groups_flat")
-
-    @property
-    def parallel_partitioned_bit16_groups(self) -> List[List[torch.Tensor]]:
-        """Stages 1/2: each group's 16-bit flat buffer cut into the ranks' partitions (views, rank by rank)."""
-        if self.stage not in (1, 2):
-            raise AttributeError(f"ZeroOptimizer.parallel_partitioned_bit16_groups is DeepSpeed's attribute at ZeRO "
-                                 f"stage 1 / 2, this optimizer runs stage {self.stage}")
-        return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(self.world)] for g in self.flat_groups]
-
-    parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups
-    nccl_start_alignment_factor = planner.NCCL_START_ALIGNMENT_FACTOR  # partitions start at multiples of it
-
-    def _masters(self, stages, name: str) -> List[torch.Tensor]:
-        if self.stage not in stages:
-            raise AttributeError(f"ZeroOptimizer.{name} is DeepSpeed's attribute at ZeRO stage "
-                                 f"{' / '.join(map(str, stages))}, this optimizer runs stage {self.stage}")
-        if self.nvme is not None:
-            raise RuntimeError(f"ZeroOptimizer.{name}: the fp32 masters live on NVMe; read them inside "
-                               "`with engine.optimizer.materialized():` as flat_groups[i].master, or per parameter "
-                               "with deepspeed.utils.safe_get_full_fp32_param")
-        return [g.master for g in self.flat_groups]
 
     # torch.optim.Optimizer's surface, delegated
     @property
