@@ -35,7 +35,9 @@ from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write_byte
                     fsync_file, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir, staging_dir,
                     verified_load, write_torch_file)
 from .serial_load import in_local_turns
-from .zero_to_fp32 import param_values, piece_values
+from .shards import (frozen_pieces, load_masters, load_optimizer_state, optim_file, owned, partition_key,
+                     read_shards)
+from .zero_to_fp32 import piece_values
 
 logger = logging.getLogger("zero_ext.checkpoint")
 
@@ -44,8 +46,6 @@ STANDARD_KEYS = {"module", "buffer_names", "param_shapes", "frozen_param_shapes"
                  "global_steps", "global_samples", "skipped_steps", "micro_steps", "dp_world_size", "mp_world_size",
                  "ds_config", "ds_version", "zero_stage", "optimizer", "checkpoint_parallel_dimensions"}
 
-def optim_file(rank: int, bf16: bool) -> str:
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
 
 
 # -- every rank must call ---------------------------------------------------------------------------------
@@ -284,8 +284,6 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     }
 
 
-def _partition_key(stage: int) -> str:
-    return "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"  # DeepSpeed's names
 
 
 def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
@@ -295,7 +293,7 @@ def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     osd = {
         "zero_stage": stage, "loss_scaler": scaler.state_dict(), "dynamic_loss_scale": scaler.dynamic,
         "overflow": opt.overflow, "clip_grad": opt.clip, "base_optimizer_state": opt.optimizer.state_dict(),
-        _partition_key(stage): [_alone(g.master) for g in opt.flat_groups],
+        partition_key(stage): [_alone(g.master) for g in opt.flat_groups],
         "partition_count": opt.world if stage >= 1 else 1,
     }
     if stage == 3 and not exclude_frozen:
@@ -348,15 +346,17 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
         saved = manifest["layout"]
         _check_layout(engine, saved, tag_dir)
         # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone
-        shards = _read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
+        shards = read_shards(engine, tag_dir, manifest) if with_optimizer or saved["stage"] == 3 else None
         return state, saved, shards
 
     def apply(state, saved, shards):
         _load_module(engine, state, load_module_strict, saved, shards)
         if shards is not None:
-            _load_masters(engine, saved, shards)
+            load_masters(engine, saved, shards)
             if with_optimizer:
-                _load_optimizer_state(engine, saved, shards)
+                load_optimizer_state(engine, saved, shards)
+                if shards.same:  # (resharded: the saved ranks' RNG streams do not map onto these)
+                    _set_rng_state(shards.files[min(shards.files)]["rng"])
 
     if engine.config.zero_optimization.pipeline_loading_checkpoint:  # one rank of a host at a time
         def read_and_apply():
@@ -377,10 +377,10 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     _refresh_weights(engine)
     if not load_module_only:
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state.get("lr_scheduler") is not None:
-            engine.lr_scheduler.load_state_dict(_owned(state["lr_scheduler"]))
+            engine.lr_scheduler.load_state_dict(owned(state["lr_scheduler"]))
         engine.restore_counters(state)
     engine.zero_grad()  # no gradients carry over a load
-    client_state = {k: _owned(v) for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
+    client_state = {k: owned(v) for k, v in state.items() if k not in STANDARD_KEYS and k != "param_shapes_by_name"}
     if engine.world_size > 1:
         comm.barrier()
     return tag_dir, client_state
@@ -424,109 +424,6 @@ def _check_layout(engine, saved: Dict[str, Any], tag_dir: str) -> None:
         diff = sorted(set(mine.items()) ^ set(theirs.items()))[:4]
         raise CheckpointError(f"{os.path.join(tag_dir, MANIFEST)}: the checkpoint's model does not match this one "
                               f"(trainable parameters differ, e.g. {diff}): a different model or parameter set")
-
-
-class _Shards:
-    """The saved optimizer files this load reads: this rank's alone when the layout is unchanged."""
-
-    def __init__(self, same: bool, files: Dict[int, Dict[str, Any]]):
-        self.same, self.files = same, files
-
-    def osd(self, r: int) -> Dict[str, Any]:
-        return self.files[r]["optimizer_state_dict"]
-
-    @property
-    def first(self) -> Dict[str, Any]:
-        return self.osd(min(self.files))
-
-
-def _read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> _Shards:
-    saved = manifest["layout"]
-    same = saved == layout_of.describe(engine) and manifest["world_size"] == engine.world_size
-    if same:
-        ranks = [engine.optimizer.rank if saved["world"] > 1 else 0]  # (MiCS: the rank in the shard group)
-    else:
-        ranks = list(range(saved["world"]))
-    return _Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest, mapped=True)
-                          for r in ranks})
-
-
-def _load_masters(engine, saved: Dict[str, Any], shards: _Shards) -> None:
-    opt, key = engine.optimizer, _partition_key(saved["stage"])
-    if shards.same:
-        parts = shards.first[key]
-    else:
-        full = param_values(saved, [shards.osd(r)[key] for r in sorted(shards.files)])
-        parts = layout_of.scatter(engine, full, [g.master for g in opt.flat_groups])
-    with torch.no_grad():
-        for g, part in zip(opt.flat_groups, parts):
-            g.master.copy_(part)
-            g.copy_master_to_params()
-
-
-def _load_optimizer_state(engine, saved: Dict[str, Any], shards: _Shards) -> None:
-    opt = engine.optimizer
-    saved_sd = shards.first["base_optimizer_state"]
-    masters = [g.master for g in opt.flat_groups]
-    if shards.same:
-        state = saved_sd["state"]
-    else:
-        # each group's own state keys (Muon: momentum_buffer in its group, Adam's moments in the other)
-        saved_state = [saved_sd["state"].get(i, {}) for i in range(len(saved["groups"]))]
-        tensor_keys = [{k for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0} for s in saved_state]
-        part_key = _partition_key(saved["stage"])
-        rebuilt = {}
-        for k in sorted(set().union(*tensor_keys)):
-            per_rank = [[osd["base_optimizer_state"]["state"][i][k] if k in tensor_keys[i] else
-                         torch.zeros_like(osd[part_key][i]) for i in range(len(saved["groups"]))]
-                        for osd in (shards.osd(r) for r in sorted(shards.files))]
-            rebuilt[k] = layout_of.scatter(engine, param_values(saved, per_rank), masters)
-        state = {i: {**{k: v for k, v in saved_state[i].items() if k not in tensor_keys[i]},
-                     **{k: rebuilt[k][i] for k in tensor_keys[i]}} for i in range(len(masters))}
-    # this engine's param groups, with the saved hyper-parameters (lr, betas, ...) of each group
-    index, groups = 0, []
-    for here, there in zip(opt.optimizer.param_groups, saved_sd["param_groups"]):
-        count = len(here["params"])
-        groups.append({**{k: v for k, v in there.items() if k != "params"}, "params": list(range(index, index + count))})
-        index += count
-    opt.optimizer.load_state_dict({"state": _into_current(opt.optimizer, state), "param_groups": groups})
-    opt.loss_scaler.load_state_dict(shards.first["loss_scaler"])
-    if shards.same:
-        _set_rng_state(shards.files[min(shards.files)]["rng"])
-
-
-def _owned(value):
-    """``value`` with every tensor in it copied out of the file's mapping (verified_load's ``mapped``), for
-    what outlives the load: a tensor left viewing the mapping would keep the file mapped (its disk space
-    held after the checkpoint is deleted)."""
-    if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, dict):
-        return type(value)((k, _owned(v)) for k, v in value.items()) if type(value) in (dict, OrderedDict) else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_owned(v) for v in value)
-    return value
-
-
-def _into_current(optimizer, state: Dict[int, Dict[str, Any]]) -> Dict[int, Dict[str, Any]]:
-    """The loaded optimizer state (by index), each tensor copied into the tensor the optimizer holds now
-    for it where it has one of the same shape and dtype (no new memory to fault in: the load writes where
-    the state lives), else into a new one (_owned)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    out = {}
-    for i, entry in state.items():
-        current = optimizer.state.get(params[i], {}) if i < len(params) else {}
-        out[i] = {}
-        for k, v in entry.items():
-            here = current.get(k)
-            if (torch.is_tensor(v) and torch.is_tensor(here) and here.shape == v.shape and here.dtype == v.dtype
-                    and here.device.type == "cpu" and v.dim() > 0):
-                with torch.no_grad():
-                    here.copy_(v)
-                out[i][k] = here
-            else:
-                out[i][k] = _owned(v)
-    return out
 
 
 def _refresh_weights(engine) -> None:
@@ -575,7 +472,7 @@ def _load_module(engine, state: Dict[str, Any], strict: bool, saved: Dict[str, A
                         zero[n].shard.copy_(piece)
             else:
                 numels = {n: int(torch.Size(s).numel()) for n, s in frozen.items()}
-                for n, value in piece_values(numels, _frozen_pieces(shards)).items():
+                for n, value in piece_values(numels, frozen_pieces(shards)).items():
                     if n in params:
                         _write_param(engine, params[n], value.to(device).view(frozen[n]))
     # trainable weights come from the fp32 masters; frozen ones not in the checkpoint keep their values
@@ -586,7 +483,3 @@ def _load_module(engine, state: Dict[str, Any], strict: bool, saved: Dict[str, A
     if strict and (missing or unexpected):
         raise CheckpointError(f"the checkpoint's module does not match the model: missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]} (load_module_strict=False to load what matches)")
-
-
-def _frozen_pieces(shards: _Shards) -> List[Dict[str, torch.Tensor]]:
-    return [shards.osd(r).get("frozen_pieces", {}) for r in sorted(shards.files)]

@@ -184,7 +184,7 @@ def verified_load(tag_dir: str, name: str, manifest: Dict[str, Any], check: bool
     """torch.load of one checkpoint file after checking it exists and matches the manifest's checksum.
     ``mapped``: its tensors are views of a private mapping of the file, read from the page cache only
     when touched (no copy made: the caller copies them where they go and must keep none of them, or the
-    file stays mapped: engine_state._owned)."""
+    file stays mapped: shards.owned)."""
     path = os.path.join(tag_dir, name)
     expected = manifest["files"].get(name)
     if expected is None:

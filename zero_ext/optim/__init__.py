@@ -20,6 +20,8 @@ Files:
 - wall_clock.py: wall_clock_breakdown's per-phase timers (DeepSpeed's names) and their report.
 - throughput.py: ThroughputTimer, the engine's tput_timer (DeepSpeed's samples-per-second timer).
 - grad_views.py: DeepSpeed's gradient attributes (averaged_gradients, get_fp32_grad_partitions), a mixin.
+- ds_attributes.py: DeepSpeed's optimizer attributes (loss-scale names, fp16_groups, fp32_groups_flat, ...),
+  a mixin.
 - bf16_master.py: bf16.bf16_master_weights_and_grads / bf16_optimizer_states: the master dtype and
   DeepSpeed's rules for them (offload with the CPU Adam unless the optimizer states are bf16).
 - factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
