@@ -234,6 +234,9 @@ def test_user_zero_grad_between_micro_steps_is_tolerated():
     engine.backward(loss)
     engine.step()
     assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
+    # after the step .grad is None, as DeepSpeed's optimizers leave it; the next backward fills it again
+    assert all(p.grad is None for p in engine.module.parameters() if p.requires_grad)
+    engine.backward(engine.module.loss(MLP.batch(2, gen)))
     assert all(p.grad is not None for p in engine.module.parameters() if p.requires_grad)
 
 
