@@ -1,4 +1,4 @@
-"""DeepSpeed features zero_ext does not have (pipeline parallelism, the MoE layer) keep their import paths:
+"""DeepSpeed features zero_ext does not have (pipeline parallelism) keep their import paths:
 modules that import the names load, building one refuses and says why. ``LayerSpec`` needs no pipeline and
 works. The checkout's compat/ is imported (first on sys.path)."""
 import pytest
@@ -35,10 +35,10 @@ def test_layerspec_builds_its_layer_later(ds):
         LayerSpec(len)
 
 
-def test_the_moe_layer_refuses_and_swap_tensor_has_deepspeeds_constant(ds):
+def test_the_moe_layer_is_zero_exts_and_swap_tensor_has_deepspeeds_constant(ds):
     from deepspeed.moe.layer import MoE
     from deepspeed.runtime.swap_tensor import MIN_SWAPPABLE_BYTES
+    from zero_ext.moe import MoE as ours
 
-    with pytest.raises(NotImplementedError, match="no mixture-of-experts layer"):
-        MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)
+    assert MoE is ours  # (tests/test_moe_*.py test the layer itself)
     assert MIN_SWAPPABLE_BYTES == 1 << 20

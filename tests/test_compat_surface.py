@@ -133,8 +133,8 @@ def test_leaf_modules_by_class_name_and_suffix(ds):
     assert len(get_z3_leaf_modules(net)) == 5
 
 
-def test_moe_group_splitter_passes_plain_groups_and_refuses_expert_params(ds):
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+def test_moe_group_splitter_moves_expert_params_into_their_own_groups(ds):
+    from deepspeed.moe.utils import is_moe_param_group, split_params_into_different_moe_groups_for_optimizer as split
 
     net = Net()
     group = {"params": net.head.parameters(), "name": "head", "lr": 0.1}  # a generator becomes a list
@@ -145,10 +145,19 @@ def test_moe_group_splitter_passes_plain_groups_and_refuses_expert_params(ds):
     assert isinstance(out, list) and len(out) == 2 and out[1]["params"] == [net.head.weight]
     with pytest.raises(ValueError):
         split("params")
-    net.blocks[1].up.weight.allreduce = False  # DeepSpeed's mark of an expert parameter
-    with pytest.raises(NotImplementedError, match="group 'experts' holds an expert"):
-        split([{"params": list(net.head.parameters())}, {"params": list(net.blocks.parameters()), "name": "experts"}])
-    net.blocks[1].up.weight.allreduce = True  # marked but reduced over all ranks: an ordinary parameter
+    up, down = net.blocks[1].up, net.blocks[1].down
+    for p in (up.weight, down.weight):  # DeepSpeed's marks of an expert parameter
+        p.allreduce, p.group_name = False, "ep_size_2"
+    dense = [p for p in net.blocks.parameters() if p is not up.weight and p is not down.weight]
+    out = split([{"params": list(net.head.parameters())}, {"params": list(net.blocks.parameters()),
+                                                           "name": "blocks", "lr": 0.5}])
+    assert [g.get("name") for g in out] == [None, "blocks", "ep_size_2"] and not is_moe_param_group(out[1])
+    assert out[1]["params"] == dense and out[2]["params"] == [up.weight, down.weight]
+    assert out[2]["moe"] is True and out[2]["lr"] == 0.5 and is_moe_param_group(out[2])
+    cap = up.weight.numel()  # each expert group is cut into runs of at most max_group_size elements
+    out = split([{"params": list(net.blocks.parameters()), "name": "blocks"}], max_group_size=cap)
+    assert [g["params"] for g in out[1:]] == [[up.weight], [down.weight]]
+    up.weight.allreduce = down.weight.allreduce = True  # marked but reduced over all ranks: ordinary ones
     assert len(split([{"params": list(net.blocks.parameters())}])) == 1
 
 

@@ -53,7 +53,6 @@ CASES = {
     "checkpoint.writer": ({"checkpoint": {"writer": {"type": "python"}}}, None),
     "dataloader_drop_last": ({"dataloader_drop_last": True}, True),
     "graph_harvesting": ({"graph_harvesting": True}, True),
-    "use_data_before_expert_parallelism": ({"use_data_before_expert_parallelism": True}, True),
     "sequence_parallel_size": ({"sequence_parallel_size": 2}, 2),
     "data_parallel_size": ({"data_parallel_size": 2}, 2),
     "amp.enabled": ({"amp": {"enabled": True, "opt_level": "O2"}}, True),

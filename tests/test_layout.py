@@ -24,6 +24,7 @@ LAYERS = [
     ("nvme",),
     ("ops",),
     ("offload",),
+    ("moe",),
     ("comm",),
     ("_native",),
     ("config",),

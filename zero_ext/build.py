@@ -18,6 +18,7 @@ A build that fails is undone (hooks removed, swap files deleted, parameters the 
 whole again), so the model is as it was and ``initialize`` can be called again. A model whose
 parameters a live engine still steps is handed over: that engine is destroyed first, with a warning.
 """
+import copy
 import hashlib
 import logging
 import os
@@ -46,6 +47,8 @@ from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
 from .optim import bf16_master
 from .optim.bf16_master import master_dtype
+from .optim.experts import (Domain, DomainReducers, configure_moe, domain_of_group, moe_layers, split_base_groups,
+                            split_moe_groups)
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .precision.autocast import mark_safe_params, record_initialized, resolve_dtype
@@ -53,6 +56,7 @@ from .zero import ZeroModel, unpartition
 from .zero.ds_surface import ParameterOffload
 from .zero.leaf import apply_leaf_config, set_leaf_modules_by_granularity
 from .zero.param import zero_param_of
+from .moe.params import is_moe_param
 from .zero.mics import MiCSGroups, mics_groups, of as mics_of
 from .zero.secondary import node_groups
 
@@ -78,14 +82,17 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     made = _Made()
     try:
         mics = _mics_groups(cfg.zero_optimization, plan, world, parallel)
-        made.zero_model = _place_model(model, cfg, device, world, plan, pg, mics)
+        # MoE layers: their process groups, and the expert parameters' domains (optim/experts.py)
+        domains = configure_moe(model, cfg.zero_optimization.stage, world, mpu,
+                                cfg.use_data_before_expert_parallelism)
+        made.zero_model = _place_model(model, cfg, device, world, plan, pg, mics, domains)
         autocast_dtype = _init_autocast(model, cfg, device)
-        base = _base_optimizer(model, cfg, optimizer, groups, plan)
+        base = _base_optimizer(model, cfg, optimizer, split_moe_groups(groups, domains), plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:
             made.zopt = _zero_optimizer(base, cfg, plan, made.zero_model, made.nvme_pieces, device, rank, world,
-                                        parallel, mics, autocast_dtype)
+                                        parallel, mics, autocast_dtype, domains)
             made.zopt.fused_base = is_fused_like(cfg.optimizer, optimizer, base)
             if made.zero_model is not None:  # DeepSpeed's hook surface at stage 3 (TRL removes and re-adds hooks)
                 made.zopt.parameter_offload = ParameterOffload(made.zero_model)
@@ -99,11 +106,14 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
     except BaseException:
         made.undo(model, was_partitioned)
         raise
-    if made.zopt is not None and isinstance(made.zopt.reducer, BucketReducer):
+    if made.zopt is not None:
         _name_bucket_members(model, made.zopt)
     engine = ZeroEngine(model, cfg, made.zopt, plan, device=device, zero_model=made.zero_model,
                         nvme_pieces=made.nvme_pieces, lr_scheduler=scheduler, training_dataloader=training_dataloader)
     engine.mpu, engine.world_size, engine.dp_world_size = mpu, world, world  # (DeepSpeed's: the data-parallel size)
+    engine.moe_layers = moe_layers(model)
+    engine.has_moe_layers = bool(engine.moe_layers)
+    engine.num_experts = [m.num_experts for m in engine.moe_layers]
     if cfg.log_level is not None:  # (checked by the config: one of logging's level names, any case)
         logging.getLogger("zero_ext").setLevel(cfg.log_level.upper())
     if cfg.wall_clock_breakdown and made.zopt is not None:  # the reducer's own work, as "bwd_allreduce"
@@ -120,8 +130,10 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
 def _name_bucket_members(model: torch.nn.Module, zopt: ZeroOptimizer) -> None:
     """Stage 2: the reducer's parameter names, for the error of ranks that reduce different buckets."""
     names = {id(p): n for n, p in model.named_parameters()}
-    zopt.reducer.names = {k: names.get(id(zopt.flat_groups[gi].params[i]), f"#{k}")
-                          for (gi, i), k in zopt.reducer.index.items()}
+    for reducer in getattr(zopt.reducer, "reducers", [zopt.reducer]):  # (one per domain with MoE)
+        if isinstance(reducer, BucketReducer):
+            reducer.names = {k: names.get(id(reducer.groups[gi].params[i]), f"#{k}")
+                             for (gi, i), k in reducer.index.items()}
 
 
 def _agree_across_ranks(model: torch.nn.Module, cfg) -> None:
@@ -179,10 +191,11 @@ def _hand_over(model: torch.nn.Module) -> None:
 # -- 1. the model -------------------------------------------------------------------------------------------
 
 def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, plan: OffloadPlan, pg=None,
-                 mics: Optional[MiCSGroups] = None):
+                 mics: Optional[MiCSGroups] = None, domains: Optional[Dict[str, Domain]] = None):
     """Stage 3: the ZeroModel over the partitioned model; stages 0-2: None, the model on the device in
     the training dtype, rank 0's values on every rank (replicas start equal even when scripts seed
-    each rank differently, as DeepSpeed does)."""
+    each rank differently, as DeepSpeed does); an expert parameter's values are its expert-data-parallel
+    group's first rank's (the ranks of an expert-parallel group hold different experts)."""
     dtype = torch.bfloat16 if cfg.bf16.enabled else torch.float16 if cfg.fp16.enabled else None
     if cfg.zero_optimization.stage == 3:
         return _install_stage3(model, cfg, device, dtype, world, plan, pg, mics)
@@ -200,7 +213,10 @@ def _place_model(model: torch.nn.Module, cfg, device: torch.device, world: int, 
     if world > 1:
         with torch.no_grad():
             for t in list(model.parameters()) + list(model.buffers()):
-                comm.broadcast(t.data, src=_first_rank(pg), group=pg)
+                dom = (domains or {}).get(getattr(t, "group_name", None)) if is_moe_param(t) else None
+                group = pg if dom is None else dom.pg
+                if dom is None or dom.world > 1:
+                    comm.broadcast(t.data, src=_first_rank(group), group=group)
     return None
 
 
@@ -402,7 +418,8 @@ def _averaging(cfg, world: int, model_dtype: torch.dtype, stage: int) -> Averagi
 
 def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, device, rank: int,
                     world: int, parallel: ParallelGroups, mics: Optional[MiCSGroups] = None,
-                    autocast_dtype: Optional[torch.dtype] = None) -> ZeroOptimizer:
+                    autocast_dtype: Optional[torch.dtype] = None,
+                    domains: Optional[Dict[str, Domain]] = None) -> ZeroOptimizer:
     zc = cfg.zero_optimization
     pg = parallel.dp_group  # the partition group: the data-parallel group, or MiCS's shard group
     after_step = []
@@ -426,30 +443,57 @@ def _zero_optimizer(base, cfg, plan: OffloadPlan, zero_model, nvme_pieces, devic
     else:
         host = plan.host if plan.optimizer else None
         groups: List[Optional[FlatGroup]] = []
+        split_base_groups(base, domains or {})
         for group in base.param_groups:
             trainable = [p for p in group["params"] if p.requires_grad]
             if not trainable:
                 groups.append(None)
                 group["params"] = []
                 continue
-            g = FlatGroup(trainable, world, rank, partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2,
-                          device=device, host=host, accum_fp32=cfg.data_types.grad_accum_dtype == "fp32",
-                          master_dtype=master_dtype(cfg))
+            dom = domain_of_group(trainable, domains or {})
+            g = FlatGroup(trainable, world if dom is None else dom.world, rank if dom is None else dom.rank,
+                          partitioned=zc.stage >= 1, keep_lp_grads=zc.stage < 2, device=device, host=host,
+                          accum_fp32=cfg.data_types.grad_accum_dtype == "fp32", master_dtype=master_dtype(cfg),
+                          process_group=pg if dom is None else dom.pg, domain=dom)
             group["params"] = [g.master]
             groups.append(g)
         flat = [g for g in groups if g is not None]
         averaging = _averaging(cfg, world, flat[0].boundary_grad.dtype if zc.stage < 2 else flat[0].dtype, zc.stage)
-        if zc.stage == 2:
-            reducer = BucketReducer(flat, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
-                                    rank, world, zc.ignore_unused_parameters, averaging, process_group=pg)
-        else:
-            reducer = BoundaryReducer(flat, zc.reduce_bucket_size, averaging, process_group=pg)
+        reducer = _flat_reducers(flat, zc, averaging, world, rank, pg, summed=cfg.gradient_allreduce_op == "sum")
     opt = ZeroOptimizer(base, groups, reducer, zc.stage, cfg.gradient_clipping, zc.allgather_bucket_size, rank,
                         world, loss_scaler=gradscaler_like() if autocast_dtype == torch.float16 else
                         scaler_from_config(cfg.fp16, zc.stage), process_group=pg, after_step=after_step,
                         nvme_pieces=nvme_pieces, model_parallel=parallel)
     opt.check_overflow = not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow)
     return opt
+
+
+def _flat_reducers(flat: List[FlatGroup], zc, averaging: Averaging, world: int, rank: int, pg, summed: bool):
+    """Stages 0-2: the reducer of the flat groups; with expert-parallel groups (optim/experts.py) one per
+    domain, each over its own process group, all averaging over every rank."""
+    def make(groups, w, r, group, avg):
+        if zc.stage == 2:
+            return BucketReducer(groups, zc.reduce_bucket_size, zc.overlap_comm, zc.contiguous_gradients,
+                                 r, w, zc.ignore_unused_parameters, avg, process_group=group)
+        return BoundaryReducer(groups, zc.reduce_bucket_size, avg, process_group=group)
+
+    names = sorted({g.domain.name for g in flat if g.domain is not None})
+    if not names:
+        return make(flat, world, rank, pg, averaging)
+    reducers, worlds = [], []
+    dense = [g for g in flat if g.domain is None]
+    if dense:
+        reducers.append(make(dense, world, rank, pg, averaging))
+        worlds.append(world)
+    for name in names:  # the same order on every rank
+        mine = [g for g in flat if g.domain is not None and g.domain.name == name]
+        dom = mine[0].domain
+        avg = copy.copy(averaging)
+        if dom.world == 1 and not summed:  # one rank holds the expert: no reduction, only the average
+            avg.alone = 1.0 / world
+        reducers.append(make(mine, dom.world, dom.rank, dom.pg, avg))
+        worlds.append(dom.world)
+    return DomainReducers(reducers, worlds)
 
 
 def _attach_nvme(opt: ZeroOptimizer, cfg) -> None:

@@ -36,6 +36,7 @@ from . import comm, zero, utils, ops, runtime, checkpoint, accelerator, moe  # n
 from .runtime.activation_checkpointing import checkpointing  # noqa: E402,F401  (DeepSpeed's deepspeed.checkpointing)
 from .runtime.config import DeepSpeedConfig, DeepSpeedConfigError  # noqa: E402,F401  (DeepSpeed's top-level names)
 from .utils import OnDevice  # noqa: E402,F401
+from .accelerator import get_accelerator  # noqa: E402,F401  (DeepSpeed's top-level name)
 
 zero_ext_version = _zero_ext.__version__
 
@@ -92,6 +93,6 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "DeepSpeedEngine", "ZeroEngine", "zero",
-           "comm", "utils", "ops", "runtime", "checkpoint", "accelerator", "OffloadDeviceEnum",
+           "comm", "utils", "ops", "runtime", "checkpoint", "accelerator", "get_accelerator", "OffloadDeviceEnum",
            "OffloadStateTypeEnum", "tp_model_init", "moe", "checkpointing", "DeepSpeedConfig",
            "DeepSpeedConfigError", "OnDevice", "__version__", "__git_hash__", "__git_branch__"]

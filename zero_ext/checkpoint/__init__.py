@@ -10,6 +10,7 @@ Files:
 - publish.py: the end of a save on a background thread: fsync, publish the tag and ``latest``.
 - serial_load.py: pipeline_loading_checkpoint: the ranks of a host load one after another.
 - layout.py: which fp32 partition holds which parameter, and moving values between layouts.
+- experts.py: a mixture-of-experts model's experts, one file per expert (DeepSpeed's names).
 - zero_to_fp32.py: a full fp32 state dict from a checkpoint, offline (also copied into each
   checkpoint as a standalone script).
 """

@@ -35,7 +35,8 @@ from .files import (FORMAT_VERSION, MANIFEST, CheckpointError, atomic_write_byte
                     fsync_file, plain_data, publish_dir, read_manifest, reap_temporary_files, replaced_dir, staging_dir,
                     verified_load, write_torch_file)
 from .serial_load import in_local_turns
-from .shards import (frozen_pieces, load_masters, load_optimizer_state, optim_file, owned, partition_key,
+from .experts import expert_states, is_expert_key, load_expert_states
+from .shards import (experts_apart, frozen_pieces, load_masters, load_optimizer_state, optim_file, owned, partition_key,
                      read_shards)
 from .zero_to_fp32 import piece_values
 
@@ -143,9 +144,13 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     digests, problem = {}, None
     try:
         # stage 0 replicates: rank 0's copy is the whole state; MiCS: shard group 0's (ranks 0 .. shard size - 1)
-        if (stage >= 1 and rank < engine.optimizer.world) or rank == 0:
+        # (stage 0 with expert-parallel groups: the ranks hold different experts, each writes its own)
+        if (stage >= 1 and rank < engine.optimizer.world) or rank == 0 or experts_apart(engine.optimizer):
             name = optim_file(rank, bf16)
             digests[name] = write_torch_file(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name))
+        if engine.has_moe_layers:  # one file per expert, by its expert-data-parallel group's first rank
+            for name, experts in expert_states(engine.module, engine.module.state_dict()).items():
+                digests[name] = write_torch_file(experts, os.path.join(tag_dir, name))
         if rank == 0:
             state = _model_state(engine, exclude_frozen_parameters)
             for key, value in (client_state or {}).items():
@@ -264,6 +269,8 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
     names = _param_names(module)
     zero = _zero_params(module)
     sd = {k: v for k, v in module.state_dict().items() if k not in zero}  # stage 3 pieces go to the shards
+    if engine.has_moe_layers:  # the experts are in their own files (checkpoint/experts.py)
+        sd = {k: v for k, v in sd.items() if not is_expert_key(module, k)}
     if exclude_frozen:
         for n, p in module.named_parameters():
             if not p.requires_grad:
@@ -343,6 +350,9 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
             raise CheckpointError(f"checkpoint folder {tag_dir} does not exist")
         manifest = read_manifest(tag_dir)
         state = verified_load(tag_dir, MODEL_FILE, manifest, mapped=True)
+        if engine.has_moe_layers:  # this rank's experts, from their own files
+            state["module"] = {**state["module"], **load_expert_states(
+                engine.module, lambda name: verified_load(tag_dir, name, manifest, mapped=True))}
         saved = manifest["layout"]
         _check_layout(engine, saved, tag_dir)
         # stage 3 saves its weights only as fp32 pieces: they are needed even for the module alone

@@ -11,6 +11,8 @@ from typing import Any, Dict, List
 
 import torch
 
+from .experts import expert_layout
+
 
 def describe(engine) -> Dict[str, Any]:
     opt = engine.optimizer
@@ -21,6 +23,8 @@ def describe(engine) -> Dict[str, Any]:
     out = {"stage": stage, "world": world, "groups": groups}
     if stage == 3 and world < engine.world_size:  # MiCS: shard group 0 wrote the files, replicas hold the same
         out["mics_shard_size"] = world
+    if getattr(engine, "has_moe_layers", False):  # (checkpoint/experts.py: loads where these match only)
+        out["moe_layers"] = expert_layout(engine)
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 import torch
 
 from . import layout as layout_of
-from .files import verified_load
+from .files import CheckpointError, verified_load
 from .zero_to_fp32 import param_values
 
 
@@ -34,11 +34,25 @@ class Shards:
         return self.osd(min(self.files))
 
 
+def experts_apart(opt) -> bool:
+    """Stage 0 with expert-parallel groups (optim/experts.py): each rank's file holds its own experts."""
+    return opt.stage == 0 and any(getattr(g, "domain", None) is not None for g in opt.flat_groups)
+
+
 def read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> Shards:
     saved = manifest["layout"]
     same = saved == layout_of.describe(engine) and manifest["world_size"] == engine.world_size
+    if not same and (saved.get("moe_layers") or getattr(engine, "has_moe_layers", False)):
+        raise CheckpointError(f"{tag_dir}: a checkpoint of a mixture-of-experts model loads only into the same "
+                              f"world size, ZeRO stage and expert-parallel sizes (saved: world size "
+                              f"{manifest['world_size']}, stage {saved['stage']}, MoE layers "
+                              f"{saved.get('moe_layers')}; here: world size {engine.world_size}, stage "
+                              f"{engine.config.zero_optimization.stage}, MoE layers "
+                              f"{layout_of.describe(engine).get('moe_layers')}): expert partitions are not "
+                              "resharded; load it with the layout it was saved with")
     if same:
-        ranks = [engine.optimizer.rank if saved["world"] > 1 else 0]  # (MiCS: the rank in the shard group)
+        # (MiCS: the rank in the shard group; stage 0 with experts apart: this rank's own file)
+        ranks = [engine.optimizer.rank if saved["world"] > 1 or experts_apart(engine.optimizer) else 0]
     else:
         ranks = list(range(saved["world"]))
     return Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest, mapped=True)

@@ -118,6 +118,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
     model = _load(os.path.join(folder, MODEL_FILE))
     with open(os.path.join(folder, "zero_ext_manifest.json")) as f:
         layout = json.load(f)["layout"]
+    parallel = [layer for layer in layout.get("moe_layers", []) if layer["ep_size"] > 1]
+    if parallel:  # the ranks' files hold different experts under the same names
+        raise ValueError(f"{folder}: a checkpoint of a mixture-of-experts model with expert parallelism (ep_size "
+                         f"{parallel[0]['ep_size']}) cannot be consolidated offline yet; load it into an engine "
+                         "of the same world size and read the weights with deepspeed.utils.safe_get_full_fp32_param "
+                         "on each rank (the experts' 16-bit weights are in its layer_*_expert_*_model_states.pt files)")
     files = _optim_files(folder)
     if len(files) != layout["world"]:
         raise ValueError(f"{folder} holds {len(files)} optimizer state files but they were saved by "

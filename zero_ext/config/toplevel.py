@@ -103,7 +103,8 @@ class DeepSpeedConfig(ConfigModel):
         False, "The engine's data loader drops the last incomplete batch.")
     graph_harvesting: bool = option(False, "Capture the step in CUDA graphs.")
     use_data_before_expert_parallelism: bool = option(
-        False, "Build data-parallel groups before expert-parallel ones.")
+        False, "MoE layers (deepspeed.moe.layer.MoE): lay the expert-data-parallel groups out before the "
+        "expert-parallel ones (DeepSpeed's other rank layout).")
     sequence_parallel_size: Optional[Int] = option(
         None, "Sequence-parallel (Ulysses) group size.", ge=1)
     data_parallel_size: Optional[Int] = option(

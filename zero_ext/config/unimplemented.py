@@ -59,7 +59,6 @@ UNIMPLEMENTED: Dict[str, Entry] = {
     "checkpoint.writer": "the fast checkpoint writer",
     "dataloader_drop_last": "the engine's data loader",
     "graph_harvesting": "CUDA-graph capture",
-    "use_data_before_expert_parallelism": "expert parallelism",
     "sequence_parallel_size": "sequence parallelism",
     "data_parallel_size": "device meshes",
     # -- other DeepSpeed subsystems ---------------------------------------------------------------

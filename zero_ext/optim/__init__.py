@@ -7,6 +7,8 @@ Files:
 - shard_groups.py: stage 3's sub-groups of pieces and its gradient reduce-scatter into them;
   quantized_reduce.py: that reduce-scatter as ZeRO++ qgZ's int4 all-to-all (two levels across nodes).
 - grad_reduce.py: gradient reduction of stages 0-2 (at the boundary, or in buckets during backward).
+- experts.py: mixture-of-experts parameters at stages 0-2: their domains (expert-data-parallel groups),
+  optimizer groups, reducers and share of the gradient norm.
 - nvme_step.py: the step with NVMe optimizer offload, all or nothing on every rank (NVMeStepError).
 - step_phase.py: StepPhase and TRANSITIONS, the engine's step lifecycle as a table (engine.phase).
 - step_check.py: the ranks' agreement before each gradient bucket and each boundary step (a rank doing

@@ -87,7 +87,7 @@ class DeepSpeedAttributes:
         if self.stage not in (1, 2):
             raise AttributeError(f"ZeroOptimizer.parallel_partitioned_bit16_groups is DeepSpeed's attribute at ZeRO "
                                  f"stage 1 / 2, this optimizer runs stage {self.stage}")
-        return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(self.world)] for g in self.flat_groups]
+        return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(g.world)] for g in self.flat_groups]
 
     parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups
     nccl_start_alignment_factor = planner.NCCL_START_ALIGNMENT_FACTOR  # partitions start at multiples of it

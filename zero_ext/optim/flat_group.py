@@ -33,8 +33,12 @@ from ..offload.plan import HostMemory
 class FlatGroup:
     def __init__(self, params: List[torch.nn.Parameter], world: int, rank: int, partitioned: bool,
                  keep_lp_grads: bool, device: torch.device, host: Optional[HostMemory] = None,
-                 accum_fp32: bool = False, master_dtype: torch.dtype = torch.float32):
+                 accum_fp32: bool = False, master_dtype: torch.dtype = torch.float32, process_group=None,
+                 domain=None):
         self.params = params
+        # the group it is partitioned and reduced over: the data-parallel one, or for mixture-of-experts
+        # parameters their expert-data-parallel group (``domain``, optim/experts.py; None: dense)
+        self.pg, self.domain = process_group, domain
         self.numels = [p.numel() for p in params]
         self.world, self.rank, self.partitioned = world, rank, partitioned
         layout_world = world if partitioned else 1

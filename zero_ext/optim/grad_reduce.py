@@ -34,7 +34,11 @@ class Averaging:
     neither, the ranks' gradients are added up. ``comm_dtype``: communication_data_type, or the
     gradients' own dtype. ``per_param`` (torch_autocast, stages 1-3): each parameter's gradient travels
     in its own communication dtype, DeepSpeed's ``get_comm_dtype``: the ``comm_dtype`` attribute of the
-    autocast parameters, else the parameter's dtype (precision/autocast.py)."""
+    autocast parameters, else the parameter's dtype (precision/autocast.py). ``alone``: the factor for a
+    reducer whose group is one rank (nothing to reduce): 1, but 1/N for an expert group held by one
+    rank of N (optim/experts.py: its gradient sums every rank's tokens already)."""
+
+    alone = 1.0
 
     def __init__(self, world: int, comm_dtype: torch.dtype, prescale: bool = False, predivide: float = 1.0,
                  summed: bool = False, per_param: bool = False):
@@ -135,6 +139,8 @@ class BoundaryReducer:
             if world == 1:
                 if not aliased:
                     g.grad.copy_(src)
+                if self.avg.alone != 1.0:
+                    g.grad.mul_(self.avg.alone)
                 continue
             if g.partitioned and src.is_cuda and runs == [(0, g.padded, src.dtype)]:
                 self._reduce_scatter(g)
@@ -250,6 +256,9 @@ class BucketReducer(StreamingReducer):
     def __init__(self, groups: List[FlatGroup], bucket_size: int, overlap: bool, contiguous: bool, rank: int,
                  world: int, ignore_unused: bool, averaging: Averaging, process_group=None):
         self.groups, self.rank, self.world, self.pg = groups, rank, world, process_group
+        # dist.reduce's dst is a global rank: each owner's (the group's ranks are not 0..N-1 with an mpu's
+        # data-parallel group or an expert-data-parallel one)
+        self.owners = [r if process_group is None else comm.get_global_rank(process_group, r) for r in range(world)]
         self.avg = averaging
         self.overlap, self.contiguous, self.ignore_unused = overlap, contiguous, ignore_unused
         numels = [n for g in groups for n in g.numels]
@@ -388,7 +397,7 @@ class BucketReducer(StreamingReducer):
                 grad = self.groups[gi].params[i].grad.reshape(-1)
                 part = self.groups[gi].ensure_grad()
                 for _, poff, partoff, length in self.runs[(gi, i)]:
-                    accumulate(part[partoff:partoff + length], grad[poff:poff + length], 1.0)
+                    accumulate(part[partoff:partoff + length], grad[poff:poff + length], self.avg.alone)
                 self.groups[gi].params[i].grad = None
             return
         # owner-major layout: each rank's runs back to back, ranks in order
@@ -413,7 +422,7 @@ class BucketReducer(StreamingReducer):
         if self.world > 1:
             for owner, (a, b) in enumerate(regions):
                 if b > a:
-                    handles.append(comm.reduce(buf[a:b], dst=owner, group=self.pg, async_op=self.overlap))
+                    handles.append(comm.reduce(buf[a:b], dst=self.owners[owner], group=self.pg, async_op=self.overlap))
         a, _ = regions[self.rank]
         mine = [(gi, partoff, length) for gi, _, _, partoff, length in by_owner[self.rank]]
         entry = (handles, base, buf, (a, mine))

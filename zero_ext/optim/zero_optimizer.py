@@ -28,6 +28,7 @@ from .grad_views import GradientViews
 from .loss_scaler import StaticLossScaler
 from .factory import is_cpu_optimizer
 from .nvme_step import nvme_step
+from .experts import stage0_expert_sq
 
 
 class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
@@ -112,11 +113,17 @@ class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
         """The squared global L2 norm of the (still loss-scaled) averaged gradients over every rank.
         Gradient partitions in host memory are summed by the C kernel (every core, fp64 accumulation, one
         pass at memory speed): torch's single-threaded fp32 norm on CPU drifts (-0.8% at 5e7 elements)."""
-        local = sum(grad_sqnorm(g.grad) for g in self.flat_groups if g.grad.is_cpu)
+        # stage 0's expert groups (optim/experts.py) hold different values on the ranks of an expert-parallel
+        # group: summed over that group apart; every other gradient is replicated or a partition
+        apart = [g for g in self.flat_groups if self.stage == 0 and getattr(g, "domain", None) is not None]
+        mine = [g for g in self.flat_groups if not any(g is a for a in apart)]
+        local = sum(grad_sqnorm(g.grad) for g in mine if g.grad.is_cpu)
         sq = torch.tensor(local, dtype=torch.float64, device=self._device())
-        for g in self.flat_groups:
+        for g in mine:
             if not g.grad.is_cpu:
                 sq += g.grad_sq_norm()
+        if apart:
+            sq += stage0_expert_sq(apart, sq.device)
         if self.model_parallel is not None:
             return self._sq_norm_over_model_parallel(sq)
         if self.stage >= 1 and self.world > 1:
@@ -178,7 +185,7 @@ class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
             self.optimizer.step()
             for g in self.flat_groups:
                 g.copy_master_to_params()
-        if self.stage in (1, 2) and self.world > 1:
+        if self.stage in (1, 2) and any(g.world > 1 for g in self.flat_groups):
             self.all_gather_params()  # (stage 3 needs none: modules gather the new pieces when they run)
         self.end_of_step()
         for hook in self.after_step_hooks:
@@ -446,15 +453,17 @@ class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
 
     def all_gather_params(self) -> None:
         """Every rank's updated partition into every rank's flat buffer, allgather_bucket_size at a time."""
-        for g in self.flat_groups:
-            chunk = planner.allgather_chunk(g.part, self.world, self.allgather_bucket_size)
+        for g in self.flat_groups:  # (each over its own group: an expert group's is expert-data-parallel)
+            if g.world == 1 or not g.partitioned:
+                continue
+            chunk = planner.allgather_chunk(g.part, g.world, self.allgather_bucket_size)
             if chunk >= g.part:  # the flat buffer is rank-major partitions: one call fills it in place
-                comm.all_gather_into(g.flat, g.flat[g.lo:g.hi].clone(), self.pg)
+                comm.all_gather_into(g.flat, g.flat[g.lo:g.hi].clone(), g.pg)
                 continue
             for a in range(0, g.part, chunk):
                 b = min(g.part, a + chunk)
-                outputs = [g.flat[r * g.part + a:r * g.part + b] for r in range(self.world)]
-                comm.all_gather(outputs, g.flat[g.lo + a:g.lo + b].clone(), group=self.pg)
+                outputs = [g.flat[r * g.part + a:r * g.part + b] for r in range(g.world)]
+                comm.all_gather(outputs, g.flat[g.lo + a:g.lo + b].clone(), group=g.pg)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears the accumulated gradients (the flat buffers stay; parameters keep their views)."""

@@ -78,7 +78,8 @@ class _Where:
             self.frags = Fragments(SHARDS, g.numels[i], g.offsets[i], shards[i], g.world, g.rank,
                                      group=getattr(g, "pg", None))  # (MiCS: the shard group)
         elif g.partitioned:
-            self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, g.world, g.rank)
+            self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, g.world, g.rank,
+                                     group=g.pg)  # (an expert group's: expert-data-parallel)
         else:  # stage 0: every rank holds the whole group
             self.frags = Fragments(FLAT, g.numels[i], g.offsets[i], g.part, 1, 0)
         self.part_offset = self.frags.part_at[self.frags.rank]

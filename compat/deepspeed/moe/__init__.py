@@ -1,2 +1,3 @@
-"""``deepspeed.moe``: ``deepspeed.moe.utils``'s optimizer-group splitter; ``layer.MoE`` refuses (zero_ext has no MoE layer)."""
-from . import layer, utils  # noqa: F401
+"""``deepspeed.moe``: the mixture-of-experts layer (zero_ext.moe): ``layer.MoE``, ``sharded_moe``, ``experts``,
+``mappings``, and ``utils``' expert-parameter test and optimizer-group splitter."""
+from . import experts, layer, mappings, sharded_moe, utils  # noqa: F401
