@@ -17,8 +17,10 @@ test's outcome and the reason of each skip) go to --logs.
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +105,20 @@ def run_file(args, path: str) -> dict:
     return row
 
 
+def outside_the_checkout(tests: str) -> str:
+    """DeepSpeed's conftest puts the folder above ``tests`` first on sys.path: in a checkout that is its own
+    ``deepspeed/`` source, which would then be tested instead of compat/ (or of the installed DeepSpeed
+    with --reference). Such a folder is copied out
+    (once, to /tmp/ds_unit_tests/tests) and the copy is run."""
+    tests = os.path.abspath(os.path.expanduser(tests))
+    if not os.path.isdir(os.path.join(os.path.dirname(tests), "deepspeed")):
+        return tests
+    copy = os.path.join(tempfile.gettempdir(), "ds_unit_tests", "tests")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(tests, copy)
+    return copy
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tests", required=True, help="a DeepSpeed checkout's tests/ folder")
@@ -113,6 +129,7 @@ def main():
     p.add_argument("--wide", action="store_true", help=f"also the {len(WIDE)} files of the wider set")
     p.add_argument("files", nargs="*", help=f"test files below --tests (default: the {len(FILES)} of issue 20)")
     args = p.parse_args()
+    args.tests = outside_the_checkout(args.tests)
     os.makedirs(args.logs, exist_ok=True)
     total = {k: 0 for k in OUTCOMES + ("differ",)}
     print(f"{'file':58} " + " ".join(f"{k:>7}" for k in OUTCOMES + ("differ",)) + f" {'s':>6}")

@@ -103,7 +103,7 @@ def _misuse(stage):
     with engine.coalesce_grad_reduction():
         engine.backward(engine.module.loss(batch))
         expect("step", engine.step)
-        expect("grad", lambda: zero_ext.utils.safe_get_full_grad(engine.module.body.weight))
+        # (gradient reads inside the block return this rank's own: tests/test_engine_no_sync_reads.py)
         expect("nested", lambda: engine.coalesce_grad_reduction().__enter__())
         if stage < 2:
             expect("no_sync", lambda: engine.no_sync().__enter__())
@@ -126,7 +126,6 @@ def test_coalesce_block_misuse_errors(stage):
     for key, (kind, msg) in out.items():
         assert issubclass(kind, AssertionError), (key, kind, msg)  # DeepSpeed asserts; ours subclass it
     assert "inside no_sync context manager" in out["step"][1] and "coalesce_grad_reduction" in out["step"][1]
-    assert "not averaged yet" in out["grad"][1]
     assert "nested" in out["nested"][1]
     if stage < 2:
         assert "no_sync" in out["no_sync"][1] and "nested" in out["inside_no_sync"][1]

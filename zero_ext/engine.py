@@ -153,10 +153,11 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         return self.optimizer
 
     def unaveraged_gradients(self, what: str) -> Optional[str]:
-        """Inside ``no_sync()`` the safe_get gradient reads return this rank's own accumulated gradient, as
-        DeepSpeed's do (averaging it would defeat the block): the name of the block then (after the
-        lifecycle check), else None and the caller reads averaged gradients through ``gradients``."""
-        if self._no_sync != "no_sync":
+        """Inside ``no_sync()`` or ``coalesce_grad_reduction()`` the safe_get gradient reads return this
+        rank's own accumulated gradient, as DeepSpeed's do (averaging it would defeat the block): the name
+        of the block then (after the lifecycle check), else None and the caller reads averaged gradients
+        through ``gradients``."""
+        if self._no_sync is None:
             return None
         self._advance("read_gradients", what)
         return self._no_sync

@@ -109,6 +109,28 @@ def _grads(w: _Where, what: str) -> torch.Tensor:
     return w.g.grad
 
 
+def _own_param_grad(w: _Where, param, local: bool) -> Optional[torch.Tensor]:
+    """Inside ``engine.coalesce_grad_reduction()`` at stages 2/3, where each backward's gradient stays
+    summed in ``param.grad`` (stage 3: in the reducer's ``deferred``, by ZeroParam) until the block ends:
+    this rank's own (unreduced) gradient, fp32 and still scaled, whole (1-D) or, ``local``, the fragment
+    this rank's partition holds."""
+    grad = param.grad
+    if grad is None:
+        deferred, zp = getattr(w.opt.reducer, "deferred", None), getattr(param, "_zero_owner", None)
+        grad = deferred.get(id(zp)) if deferred is not None and zp is not None else None
+    if grad is None:
+        return None
+    flat = grad.detach().reshape(-1).float()
+    if not local:
+        return flat
+    g, i = w.g, w.i
+    if getattr(g, "shards", None) is not None:  # stage 3: piece r of every parameter
+        start = g.rank * g.shards[i]
+    else:  # stage 2: the parameter's overlap with this rank's partition [lo, hi) of the flat buffer
+        start = max(g.lo, g.offsets[i]) - g.offsets[i]
+    return flat[start:start + w.local_length]
+
+
 def _own_grads(w: _Where, lo: int, hi: int) -> torch.Tensor:
     """Inside ``engine.no_sync()`` (stages 0/1): [lo, hi) of this rank's own accumulated flat gradient of
     w's group, not averaged, in fp32 and still scaled (the callers divide by the loss scale). Stages 0/1
@@ -154,11 +176,15 @@ def safe_get_full_fp32_param(param) -> Optional[torch.Tensor]:
 @_collective
 def safe_get_full_grad(param) -> Optional[torch.Tensor]:
     """The averaged fp32 gradient of param, full shape, unscaled. Collective. Inside ``engine.no_sync()``
-    this rank's own accumulated gradient, not averaged (DeepSpeed's answer there), and no collective."""
+    or ``engine.coalesce_grad_reduction()`` this rank's own accumulated gradient, not averaged (DeepSpeed's
+    answer there), and no collective."""
     w = _where(param)
     if w is None:
         return None
     if w.engine.unaveraged_gradients("safe_get_full_grad"):
+        if w.opt.stage >= 2:
+            own = _own_param_grad(w, param, local=False)
+            return None if own is None else (own / w.opt.cur_scale).view(_shape(param))
         off = w.g.offsets[w.i]
         return (_own_grads(w, off, off + w.g.numels[w.i]) / w.opt.cur_scale).view(_shape(param))
     return w.full(_grads(w, "safe_get_full_grad"), _shape(param), w.opt.cur_scale)
@@ -181,11 +207,15 @@ def safe_get_local_fp32_param(param) -> Optional[torch.Tensor]:
 
 def safe_get_local_grad(param) -> Optional[torch.Tensor]:
     """This rank's fragment of param's averaged fp32 gradient (1-D, unscaled); inside ``engine.no_sync()``
-    the same fragment of this rank's own accumulated gradient, not averaged."""
+    or ``engine.coalesce_grad_reduction()`` the same fragment of this rank's own accumulated gradient, not
+    averaged."""
     w = _where(param)
     if w is None:
         return None
     if w.engine.unaveraged_gradients("safe_get_local_grad"):
+        if w.opt.stage >= 2:
+            own = _own_param_grad(w, param, local=True)
+            return None if own is None else own / w.opt.cur_scale
         return w.frags.read_local(_own_grads(w, w.g.lo, w.g.hi), w.opt.cur_scale)
     return w.frags.read_local(_grads(w, "safe_get_local_grad"), w.opt.cur_scale)
 
