@@ -3,6 +3,8 @@ by file, with a table of counts: how issue 20's measurement is taken, so anyone 
 
     python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests            # compat/ over zero_ext
     python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --wide     # and the wider set
+    python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --ranks 4 \
+        unit/v1/moe/test_moe.py unit/checkpoint/test_moe_checkpoint.py    # MoE: most want 4 ranks
     python scripts/ds_unit_tests.py --tests ~/DeepSpeed/tests --reference /venv/bin/python
 
 ``--tests`` is the ``tests`` folder of a DeepSpeed checkout (its conftest and unit/common.py harness

@@ -109,7 +109,7 @@ def _train_reference(world: int, start, client):
     return ref
 
 
-def _engine(stage: int, ep_size: int, client_optimizer, precision: str = "fp32"):
+def _engine(stage: int, ep_size: int, client_optimizer, precision: str = "fp32", offload: bool = False):
     import torch.distributed as dist
 
     import zero_ext
@@ -124,6 +124,8 @@ def _engine(stage: int, ep_size: int, client_optimizer, precision: str = "fp32")
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50}}
     if precision != "fp32":
         cfg[precision] = {"enabled": True}
+    if offload:  # ZeRO-Offload: the expert groups' masters and state in host memory, the C Adam steps them
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     if client_optimizer:  # "split": its groups made by DeepSpeed's splitter; "plain": one group of everything
         params = list(net.parameters())
         optimizer = _optimizer(split({"params": params, "name": "all"}) if client_optimizer == "split" else params,
@@ -135,13 +137,13 @@ def _engine(stage: int, ep_size: int, client_optimizer, precision: str = "fp32")
     return engine, net
 
 
-def _train_and_compare(stage: int, ep_size: int, client_optimizer):
+def _train_and_compare(stage: int, ep_size: int, client_optimizer, offload: bool = False):
     import torch.distributed as dist
 
     from zero_ext.utils import safe_get_full_fp32_param
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    engine, net = _engine(stage, ep_size, client_optimizer)
+    engine, net = _engine(stage, ep_size, client_optimizer, offload=offload)
     start = [{k: v.clone() for k, v in m.state_dict().items()} for m in _dense(net)]
     assert engine.has_moe_layers and engine.num_experts == [EXPERTS]
     for step in range(STEPS):
@@ -167,12 +169,13 @@ def _train_and_compare(stage: int, ep_size: int, client_optimizer):
 
 # (world, ep_size, stage, client optimizer): each stage with E < N (expert-data-parallel groups of
 # several ranks) and E = N (one rank per expert group), client and config optimizers
-@pytest.mark.parametrize("world,ep_size,stage,client", [
-    (4, 2, 0, "split"), (4, 2, 1, None), (4, 2, 2, "plain"), (4, 4, 2, None), (4, 4, 0, "plain"),
-    (2, 2, 1, "split"), (4, 2, 2, "split"), (4, 4, 1, "split"),
+@pytest.mark.parametrize("world,ep_size,stage,client,offload", [
+    (4, 2, 0, "split", False), (4, 2, 1, None, False), (4, 2, 2, "plain", False), (4, 4, 2, None, False),
+    (4, 4, 0, "plain", False), (2, 2, 1, "split", False), (4, 2, 2, "split", False), (4, 4, 1, "split", False),
+    (4, 2, 2, None, True), (2, 2, 1, None, True),
 ])
-def test_expert_parallel_training_equals_one_plain_process(world, ep_size, stage, client):
-    worst = run_ranks(world, _train_and_compare, stage, ep_size, client, timeout=120)
+def test_expert_parallel_training_equals_one_plain_process(world, ep_size, stage, client, offload):
+    worst = run_ranks(world, _train_and_compare, stage, ep_size, client, offload, timeout=120)
     assert max(worst) < 2e-6, worst  # fp32: the ranks' sums in another order than the reference's
 
 
