@@ -285,3 +285,31 @@ def _optimizer_state_bytes(stage: int, ep_size: int):
 def test_expert_optimizer_state_is_partitioned_over_the_ranks_holding_the_same_experts(stage):
     for held, want in run_ranks(4, _optimizer_state_bytes, stage, 2, timeout=120):
         assert held == want
+
+
+def _export(folder: str):
+    import torch.distributed as dist
+
+    engine, net = _engine(2, 2, client_optimizer=None)
+    x, y = _batch(0, dist.get_rank())
+    engine.backward(torch.nn.functional.cross_entropy(engine(x), y))
+    engine.step()
+    mine = {i: [p.detach().clone() for p in e.parameters()] for i, e in enumerate(_local_experts(net))}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dist.get_rank() % 2, mine))
+    engine.save_16bit_model(folder)
+    engine.destroy()
+    if dist.get_rank() != 0:
+        return True
+    whole = _model(1)  # the same network with every expert in one layer
+    whole.load_state_dict(torch.load(os.path.join(folder, "pytorch_model.bin")), strict=True)
+    local = EXPERTS // 2
+    for ep_rank, experts in everyone:
+        for i, params in experts.items():
+            for a, b in zip(_local_experts(whole)[ep_rank * local + i].parameters(), params):
+                assert torch.equal(a.detach(), b)
+    return True
+
+
+def test_the_16bit_export_holds_every_expert_under_its_global_name(tmp_path):
+    assert all(run_ranks(4, _export, str(tmp_path), timeout=120))

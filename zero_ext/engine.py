@@ -28,6 +28,7 @@ from . import activation_checkpointing, comm
 from .checkpoint import publish
 from .checkpoint.engine_api import CheckpointMethods
 from .checkpoint.engine_state import check_all_ranks_call
+from .checkpoint.experts import with_every_expert
 from .checkpoint.files import atomic_torch_save
 from .config.engine_queries import ConfigQueries
 from .config.errors import EngineUsageError
@@ -503,12 +504,15 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
     # -- checkpoints (save/load/wait: checkpoint/engine_api.py) -----------------------------------------------
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
-        """The model's weights in their training dtype, whole (stage 3: gathered; collective there)."""
+        """The model's weights in their training dtype, whole (stage 3: gathered; collective there; with
+        MoE layers rank 0 gets every expert under its global name, checkpoint/experts.py)."""
         if self.zero_model is not None:
             with GatheredParameters(list(self.module.parameters())):
                 sd = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         else:
             sd = self.module.state_dict()
+        if getattr(self, "has_moe_layers", False) and comm.get_world_size() > 1:  # every expert, on rank 0
+            sd = with_every_expert(self.module, sd)
         if exclude_frozen_parameters:
             for n, p in self.module.named_parameters():
                 if not p.requires_grad:

@@ -71,6 +71,21 @@ def expert_states(module: torch.nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[
     return out
 
 
+def with_every_expert(module: torch.nn.Module, sd: Dict[str, torch.Tensor], dst: int = 0) -> Dict[str, torch.Tensor]:
+    """``sd`` (this rank's module state) with the local experts replaced, on rank ``dst``, by every expert
+    of every MoE layer under its global name: the whole model, loadable into the same model built with
+    ep_size 1 (the 16-bit export). Collective; the other ranks get ``sd`` back."""
+    mine = {k: v.detach().cpu() for part in expert_states(module, sd).values() for k, v in part.items()}
+    everyone = [None] * comm.get_world_size() if comm.get_rank() == dst else None
+    comm.gather_object(mine, everyone, dst=dst)
+    if everyone is None:
+        return sd
+    out = {k: v for k, v in sd.items() if not is_expert_key(module, k)}
+    for part in everyone:
+        out.update(part)
+    return out
+
+
 def load_expert_states(module: torch.nn.Module, read) -> Dict[str, torch.Tensor]:
     """{local key: value} of this rank's experts, from their files (``read(file name)``: its state)."""
     out: Dict[str, torch.Tensor] = {}
