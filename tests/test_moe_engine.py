@@ -313,3 +313,24 @@ def _export(folder: str):
 
 def test_the_16bit_export_holds_every_expert_under_its_global_name(tmp_path):
     assert all(run_ranks(4, _export, str(tmp_path), timeout=120))
+
+
+def _expert_file_sizes(folder: str):
+    import torch.distributed as dist
+
+    engine, _ = _engine(1, 2, client_optimizer=None)
+    engine.save_checkpoint(folder, tag="t")
+    engine.destroy()
+    if dist.get_rank() != 0:
+        return True
+    for name in sorted(os.listdir(os.path.join(folder, "t"))):
+        if name.startswith("layer_"):
+            experts = torch.load(os.path.join(folder, "t", name))
+            held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in experts.values()}
+            assert sum(held.values()) == sum(t.numel() * t.element_size() for t in experts.values()), name
+    return True
+
+
+def test_an_expert_file_holds_its_expert_alone(tmp_path):
+    # (the parameters are views of one flat buffer: saved as they are, each file would hold all of it)
+    assert all(run_ranks(4, _expert_file_sizes, str(tmp_path), timeout=120))

@@ -67,7 +67,8 @@ def expert_states(module: torch.nn.Module, sd: Dict[str, torch.Tensor]) -> Dict[
             if key.startswith(prefix):
                 i, rest = _local(key, prefix)
                 expert = ep_rank * layer.num_local_experts + i
-                out.setdefault(expert_file(k, expert), {})[f"{prefix}{expert}.{rest}"] = value
+                # (a copy: the value is a view of a flat buffer, which torch.save would write whole)
+                out.setdefault(expert_file(k, expert), {})[f"{prefix}{expert}.{rest}"] = value.detach().clone()
     return out
 
 
@@ -75,7 +76,7 @@ def with_every_expert(module: torch.nn.Module, sd: Dict[str, torch.Tensor], dst:
     """``sd`` (this rank's module state) with the local experts replaced, on rank ``dst``, by every expert
     of every MoE layer under its global name: the whole model, loadable into the same model built with
     ep_size 1 (the 16-bit export). Collective; the other ranks get ``sd`` back."""
-    mine = {k: v.detach().cpu() for part in expert_states(module, sd).values() for k, v in part.items()}
+    mine = {k: v.cpu() for part in expert_states(module, sd).values() for k, v in part.items()}
     everyone = [None] * comm.get_world_size() if comm.get_rank() == dst else None
     comm.gather_object(mine, everyone, dst=dst)
     if everyone is None:

@@ -10,6 +10,6 @@ Files:
 - precision_config.py: ``deepspeed.runtime.precision_config`` (get_bfloat16_config, get_float16_config).
 - torch_autocast.py: ``deepspeed.runtime.torch_autocast`` (the torch_autocast names, precision/autocast.py).
 - lr_schedules.py: ``deepspeed.runtime.lr_schedules`` (the five schedulers, VALID_LR_SCHEDULES).
-- utils.py: ``deepspeed.runtime.utils`` (see_memory_usage).
+- utils.py: ``deepspeed.runtime.utils`` (see_memory_usage; its gradient helpers are utils/runtime_utils.py).
 - zero/: ``deepspeed.runtime.zero`` and its modules.
 """

@@ -6,7 +6,9 @@ Files:
 - zero_to_fp32.py: DeepSpeed's import path of checkpoint/zero_to_fp32.py.
 - logging.py: ``deepspeed.utils.logging`` (``logger``; Lightning sets its level through that path).
 - z3_leaf_module.py: ``deepspeed.utils.z3_leaf_module`` (leaf modules by class, name or name suffix).
-- moe.py: ``deepspeed.moe.utils``'s optimizer-group splitter (no MoE here: groups pass unchanged).
+- moe.py: ``deepspeed.moe.utils``' names (moe/params.py: the expert-parameter test, the group splitter).
+- runtime_utils.py: ``deepspeed.runtime.utils``' helpers on plain parameter lists (clip_grad_norm_,
+  get_weight_norm, CheckOverflow, call_to_str, count_used_parameters_in_backward).
 - init_on_device.py: ``deepspeed.OnDevice`` (a module's tensors made on a device, in a floating dtype).
 - estimate.py: the ZeRO-2 / ZeRO-3 memory estimators (DeepSpeed's names and table; zero_ext's bytes).
 """
