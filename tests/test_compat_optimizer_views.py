@@ -42,6 +42,8 @@ def _views(stage):
         match = match and all(len(ps) == world and ps[rank].data_ptr() == g.flat[g.lo:].data_ptr() and
                               all(p.data_ptr() % align == 0 for p in ps) and torch.equal(torch.cat(ps), g.flat)
                               for ps, g in zip(parts, opt.flat_groups))
+        flats = opt.bit16_groups_flat  # the flat buffers themselves, outside autograd
+        match = match and all(f is g.flat and f.grad_fn is None for f, g in zip(flats, opt.flat_groups))
     engine.destroy()
     return same_params, refused, stepped, match, (rank, world)
 

@@ -90,6 +90,15 @@ class DeepSpeedAttributes:
         return [[g.flat[r * g.part:(r + 1) * g.part] for r in range(g.world)] for g in self.flat_groups]
 
     parallel_partitioned_fp16_groups = parallel_partitioned_bit16_groups
+
+    @property
+    def bit16_groups_flat(self) -> List[torch.Tensor]:
+        """Stages 1/2: each group's flat buffer in the model's dtype (the parameters are views of it; on the
+        compute device, outside autograd)."""
+        if self.stage not in (1, 2):
+            raise AttributeError(f"ZeroOptimizer.bit16_groups_flat is DeepSpeed's attribute at ZeRO stage 1 / 2, "
+                                 f"this optimizer runs stage {self.stage}")
+        return [g.flat for g in self.flat_groups]
     nccl_start_alignment_factor = planner.NCCL_START_ALIGNMENT_FACTOR  # partitions start at multiples of it
 
     def _masters(self, stages, name: str) -> List[torch.Tensor]:
