@@ -277,3 +277,39 @@ def test_loss_scale_config_is_deepspeeds_view_of_the_scaler():
     assert fp16 == (True, True, 2, 1.0, [(128.0, 1, 0), (128.0, 2, 0), (128.0, 3, 0), (256.0, 4, 0)])
     bf16 = run_ranks(1, _loss_scale_config, False)[0]
     assert bf16[:4] == (False, False, None, None) and bf16[4][-1] == (1.0, 0, None)
+
+
+def _replaced_unscale(fused: bool):
+    import zero_ext
+
+    torch.manual_seed(0)
+    model = MLP()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True, "initial_scale_power": 4},
+           "gradient_clipping": 1e-3, "zero_optimization": {"stage": 0}}
+    if fused:  # a config Adam: DeepSpeed's FusedAdam, so FP16_Optimizer's (grad_groups_flat, total_norm) form
+        cfg["optimizer"] = {"type": "Adam", "params": {"lr": 1e-3}}
+        engine, *_ = zero_ext.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    else:  # a torch optimizer: FP16_UnfusedOptimizer's (total_norm) form
+        engine, *_ = zero_ext.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=cfg)
+    opt, seen = engine.optimizer, []
+
+    def replaced(*args, apply_scale=True):
+        seen.append((len(args), float(args[-1]), apply_scale))
+        return opt.loss_scaler.cur_scale  # unscale only: no clipping
+
+    opt.unscale_and_clip_grads = replaced
+    gen = torch.Generator().manual_seed(1)
+    norms = []
+    for _ in range(3):
+        engine.backward(engine.module.loss(MLP.batch(2, gen, torch.float16)))
+        engine.step()
+        norms.append(engine.get_global_grad_norm() * opt.loss_scaler.cur_scale)
+    return seen, norms
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_replaced_unscale_and_clip_grads_sees_every_steps_norm(fused):
+    # (DeepSpeed's tests replace it on the instance to check that every rank clips by one norm)
+    seen, norms = run_ranks(1, _replaced_unscale, fused)[0]
+    assert [(n, apply) for n, _, apply in seen] == [(2 if fused else 1, False)] * 3
+    assert [norm for _, norm, _ in seen] == pytest.approx(norms, rel=1e-6)  # each step's still-scaled norm

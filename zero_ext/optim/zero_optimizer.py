@@ -169,11 +169,7 @@ class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
             self.end_of_step()
             self.loss_scaler.update(True)
             return False
-        combined = 1.0 / scale  # unscale and clip in one pass over the gradients
-        if self.clip > 0:
-            coef = self.clip / (norm + 1e-6)
-            if coef < 1.0:
-                combined *= coef
+        combined = 1.0 / self._combined_scale(norm * scale)  # unscale and clip in one pass over the gradients
         if self._fused():
             self._fused_step(combined)
         elif self.nvme is not None:  # a torch optimizer that streams its own NVMe state (Muon: optim/muon_nvme.py)
@@ -192,6 +188,32 @@ class ZeroOptimizer(GradientViews, DeepSpeedAttributes):
             hook()
         self.loss_scaler.update(False)
         return True
+
+    def unscale_and_clip_grads(self, *args, apply_scale: bool = True) -> float:
+        """DeepSpeed's method: the divisor that unscales and clips the gradients in one pass, from the norm of
+        the still-scaled gradients — the loss scale, times norm / gradient_clipping when that is over 1 —
+        and, with ``apply_scale``, the gradients divided by it. Its signatures: ``(total_norm)`` (DeepSpeed's
+        FP16_UnfusedOptimizer) or ``(grad_groups_flat, total_norm)`` (its fused and ZeRO optimizers).
+        ``step`` asks it for the divisor, through the signature of the optimizer DeepSpeed would run here,
+        so a script (or test) that replaces it on the instance sees every step's norm."""
+        grads, total_norm = (args[0], args[1]) if len(args) == 2 else ([g.grad for g in self.flat_groups], args[0])
+        scale = self.loss_scaler.cur_scale
+        divisor = scale
+        if self.clip > 0:
+            clip = (float(total_norm) / scale + 1e-6) / self.clip
+            if clip > 1:
+                divisor = clip * scale
+        if apply_scale:
+            for grad in grads:
+                grad.mul_(1.0 / divisor)
+        return divisor
+
+    def _combined_scale(self, scaled_norm: float) -> float:
+        """The step's divisor, through ``unscale_and_clip_grads`` in the signature of the optimizer DeepSpeed
+        runs here (stage 0 over an unfused base: FP16_UnfusedOptimizer's; else the flat groups' form)."""
+        if self.stage == 0 and not self.fused_base:
+            return self.unscale_and_clip_grads(scaled_norm, apply_scale=False)
+        return self.unscale_and_clip_grads([g.grad for g in self.flat_groups], scaled_norm, apply_scale=False)
 
     def _fused(self) -> bool:
         """Whether the C optimizer steps every master in host memory (ZeRO-Offload, or a CPU run)."""
