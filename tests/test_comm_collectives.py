@@ -128,3 +128,21 @@ def test_reduce_scatter_falls_back_to_an_all_reduce_where_gloo_lacks_it():
                                                        env={"ZERO_EXT_COMM": "torch"})):
             want = [total * float(i) for i in range(4 * rank, 4 * rank + 4)]
             assert out == later == want
+
+
+def _reduce_scatter_fn():
+    import deepspeed.comm as dist  # the compat package's name for zero_ext.comm itself
+
+    from zero_ext import comm
+
+    rank, world = comm.get_rank(), comm.get_world_size()
+    out = torch.empty(3)
+    dist.reduce_scatter_fn(out, torch.arange(3.0 * world) + rank)
+    return dist is comm, out.tolist()
+
+
+def test_deepspeeds_reduce_scatter_fn_through_deepspeed_comm():
+    world = 2
+    for rank, (same, got) in enumerate(run_ranks(world, _reduce_scatter_fn)):
+        assert same  # replacing deepspeed.comm.X replaces what zero_ext calls, as in DeepSpeed
+        assert got == [sum(3 * rank + i + r for r in range(world)) for i in range(3)]

@@ -89,7 +89,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self.phase = StepPhase.IDLE if optimizer is not None else StepPhase.FORWARD_ONLY
         self._step_applied = False  # what the last step() did (was_step_applied)
         self._warned_second_backward = False
-        self._boundary_override: Optional[bool] = None
+        self._is_gradient_accumulation_boundary: Optional[bool] = None  # set_gradient_accumulation_boundary (DeepSpeed's name)
         self._collective_seq = 0  # counts collective calls, so a rank that skips one is detected
         self._offloaded = set()  # OffloadStateTypeEnum kinds parked in host memory (offload/states.py)
         self._failed: Optional[str] = None  # why this engine cannot go on (an NVMe write failed mid-step)
@@ -298,8 +298,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         # (with accumulation, or a caller that sets the boundary itself as accelerate does, several backward
         # passes per step are the plan; at gradient_accumulation_steps 1 they are usually a missing step())
         if (self.phase is StepPhase.BACKWARD and not self._warned_second_backward
-                and self.gradient_accumulation_steps() == 1 and self._boundary_override is None and not self._no_sync
-                and self.managed_gradient_accumulation()):
+                and self.gradient_accumulation_steps() == 1 and self._is_gradient_accumulation_boundary is None
+                and not self._no_sync and self.managed_gradient_accumulation()):
             self._warned_second_backward = True
             warnings.warn("engine.backward() was called again before engine.step() with gradient_accumulation_steps "
                           "1: the gradients of both backward passes are summed into one step. Call engine.step() "
@@ -326,15 +326,15 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
     def is_gradient_accumulation_boundary(self) -> bool:
         if not self.managed_gradient_accumulation():  # the caller's every step() is the boundary
             return True
-        if self._boundary_override is not None:
-            return self._boundary_override
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         if not self.managed_gradient_accumulation():
             raise EngineUsageError("engine.set_gradient_accumulation_boundary(): with managed_gradient_accumulation "
                                    "false every step() is the boundary; there is nothing to set")
-        self._boundary_override = is_boundary
+        self._is_gradient_accumulation_boundary = is_boundary
 
     def allreduce_gradients(self, bucket_size=None) -> None:
         """DeepSpeed's: average this step's gradients across the ranks now rather than in step() (then read

@@ -21,7 +21,7 @@ Files:
 """
 from .collectives import (ReduceOp, all_gather, all_gather_base, all_gather_coalesced,  # noqa: F401
                           all_gather_into, all_gather_into_tensor, all_gather_object, all_gather_v, all_reduce, all_to_all_single, barrier, broadcast, gather,
-                          gather_object, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_tensor,
+                          gather_object, irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_fn, reduce_scatter_tensor,
                           scatter, send)
 from .outstanding import drain, pending, settle  # noqa: F401
 from .process_groups import (DEFAULT_TIMEOUT_MINUTES, add_config_arguments, default_backend,  # noqa: F401

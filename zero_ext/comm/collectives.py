@@ -98,6 +98,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     return _reduce_scatter_by_all_reduce(output, input, op, group, async_op)
 
 
+def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False, prof=False, debug=None):
+    """DeepSpeed's name for reduce_scatter_tensor (``prof`` and ``debug``, its profiler's, are ignored)."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     traffic.count("reduce_scatter", "scatter", group, sum(_nbytes(t) for t in input_list))
     native = _route_cpu(group, output, *input_list)
