@@ -217,6 +217,12 @@ def test_accelerator_dtypes_memory_and_cpu_device_count(ds, monkeypatch):
         assert acc.device_count() == 1
     # what current_device() answers is a device torch takes: tensors made on it live where the engine computes
     assert torch.zeros(1, device=acc.current_device()).device == torch.device(acc.current_device_name())
+    # DeepSpeed's tensor constructors: values on this device, in the named dtype
+    made = {name: getattr(acc, name)([1, 2]) for name in ("FloatTensor", "HalfTensor", "BFloat16Tensor", "DoubleTensor",
+                                                            "ByteTensor", "IntTensor", "LongTensor")}
+    assert [t.dtype for t in made.values()] == [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                                torch.uint8, torch.int32, torch.int64]
+    assert all(t.tolist() == [1, 2] and t.device.type == acc.device_name() for t in made.values())
 
 
 def _groups_and_gather():

@@ -181,6 +181,19 @@ class Accelerator:
         """DeepSpeed's: whether work on this device runs in the caller's order (the CPU), i.e. has no streams."""
         return self._name != "cuda"
 
+    # DeepSpeed's tensor constructors: FloatTensor([1.0]) makes an fp32 tensor on this device
+    # (torch.tensor's semantics, as DeepSpeed's CUDA accelerator; its CPU one hands out torch's legacy types)
+    BFloat16Tensor = property(lambda self: self._maker(torch.bfloat16))
+    ByteTensor = property(lambda self: self._maker(torch.uint8))
+    DoubleTensor = property(lambda self: self._maker(torch.float64))
+    FloatTensor = property(lambda self: self._maker(torch.float32))
+    HalfTensor = property(lambda self: self._maker(torch.float16))
+    IntTensor = property(lambda self: self._maker(torch.int32))
+    LongTensor = property(lambda self: self._maker(torch.int64))
+
+    def _maker(self, dtype: torch.dtype):
+        return functools.partial(torch.tensor, dtype=dtype, device=self.device_name())
+
     def __getattr__(self, name: str):
         raise AttributeError(f"zero_ext's accelerator (zero_ext/accelerator/) has no '{name}': only the part of "
                              "DeepSpeed's accelerator interface that libraries are known to call is provided")

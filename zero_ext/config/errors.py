@@ -125,6 +125,10 @@ class UnsupportedDtypeError(ConfigError, NotImplementedError):
     NotImplementedError for the combinations it lacks)."""
 
 
+class UnsupportedCombinationError(NotImplementedError, AssertionError):
+    """Features that do not run together (DeepSpeed asserts: e.g. its MoE layer at ZeRO stage 3)."""
+
+
 class EngineUsageError(RuntimeError, AssertionError):
     """An engine call made when it cannot run (no optimizer, inside no_sync, out of step order)."""
 

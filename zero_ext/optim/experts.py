@@ -24,6 +24,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 import torch
 
 from .. import comm
+from ..config.errors import UnsupportedCombinationError
 from ..ops.functional import grad_sqnorm
 from ..moe.params import is_moe_param, split_params_into_different_moe_groups_for_optimizer
 
@@ -51,8 +52,9 @@ def configure_moe(model: torch.nn.Module, stage: int, dense_world: int, mpu=None
     if not layers:
         return {}
     if mpu is not None:
-        raise NotImplementedError("zero_ext.initialize: mixture-of-experts layers together with an mpu (model "
-                                  "parallelism) are not supported; train the MoE model data-parallel only")
+        raise UnsupportedCombinationError("zero_ext.initialize: mixture-of-experts layers together with an mpu "
+                                          "(model parallelism) are not supported; train the MoE model "
+                                          "data-parallel only")
     for layer in layers:
         layer.set_deepspeed_parallelism(use_data_before_expert_parallel)
     from ..moe import groups  # (the MoE package is loaded only for MoE models)
@@ -68,10 +70,10 @@ def configure_moe(model: torch.nn.Module, stage: int, dense_world: int, mpu=None
                                        groups.expert_parallel_group(p.group_name))
     if domains and stage == 3:
         names = ", ".join(sorted(domains))
-        raise NotImplementedError(f"zero_ext.initialize: expert parallelism ({names}) is not supported at ZeRO "
-                                  "stage 3 (stage 3 partitions every parameter over all ranks, but the ranks of "
-                                  "an expert-parallel group hold different experts); use stage 0, 1 or 2, or "
-                                  "ep_size=1")
+        raise UnsupportedCombinationError(f"zero_ext.initialize: expert parallelism ({names}) is not supported at "
+                                          "ZeRO stage 3 (stage 3 partitions every parameter over all ranks, but the "
+                                          "ranks of an expert-parallel group hold different experts); use stage 0, "
+                                          "1 or 2, or ep_size=1")
     return domains
 
 
