@@ -34,8 +34,9 @@ class CheckpointMethods:
 
     def _get_optimizer_ckpt_name(self, checkpoints_path: str, tag, expp_rank: int) -> str:
         """DeepSpeed's path of expert-parallel rank ``expp_rank``'s optimizer file (MoE checkpoints), for code
-        that builds or patches it. zero_ext has no expert parallelism and neither writes nor reads such a
-        file: its optimizer files are ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``."""
+        that builds or patches it. zero_ext neither writes nor reads such a file: the partitions of expert
+        groups are in each rank's ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` like any other
+        (the experts' weights in DeepSpeed's ``layer_<L>_expert_<E>`` files: checkpoint/experts.py)."""
         return os.path.join(checkpoints_path, str(tag), f"expp_rank_{expp_rank}_mp_rank_00_optim_states.pt")
 
     def _change_recovery_script_permissions(self, dst: str) -> None:
