@@ -47,8 +47,7 @@ from .optim.quantized_reduce import Hierarchy
 from .optim.schedulers import configure_lr_scheduler
 from .optim import bf16_master
 from .optim.bf16_master import master_dtype
-from .optim.experts import (Domain, DomainReducers, configure_moe, domain_of_group, moe_layers, split_base_groups,
-                            split_moe_groups)
+from .optim.experts import Domain, DomainReducers, configure_moe, domain_of_group, moe_layers, split_base_groups
 from .optim.shard_groups import ShardReducer, build_shard_groups
 from .optim.zero_optimizer import ZeroOptimizer
 from .precision.autocast import mark_safe_params, record_initialized, resolve_dtype
@@ -87,7 +86,7 @@ def build_engine(model: torch.nn.Module, cfg, optimizer, groups: List[Dict[str, 
                                 cfg.use_data_before_expert_parallelism)
         made.zero_model = _place_model(model, cfg, device, world, plan, pg, mics, domains)
         autocast_dtype = _init_autocast(model, cfg, device)
-        base = _base_optimizer(model, cfg, optimizer, split_moe_groups(groups, domains), plan)
+        base = _base_optimizer(model, cfg, optimizer, groups, plan)
         if plan.param_device == "nvme":
             made.nvme_pieces = _open_nvme_pieces(model, cfg, plan, base is not None)
         if base is not None:

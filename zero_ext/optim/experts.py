@@ -13,9 +13,8 @@ the whole world and the expert parameters are ordinary ones (no domain of their 
 
 - ``configure_moe(model)``: calls ``set_deepspeed_parallelism`` on each MoE layer (DeepSpeed's engine
   does) and returns the domains by group name.
-- ``split_moe_groups`` (DeepSpeed's ``configure_moe_param_groups``): the config optimizer's groups with
-  the expert parameters moved into groups of their own.
-- ``split_base_groups``: a base optimizer group that mixes domains cut into one group per domain;
+- ``split_base_groups``: a base optimizer group that mixes domains (the config optimizer's, or a
+  client's ``Adam(model.parameters())``) cut into one group per domain;
   ``domain_of_group``: the domain of one optimizer group.
 - ``DomainReducers``: one reducer per domain behind the single reducer interface ZeroOptimizer uses.
 """
@@ -26,7 +25,7 @@ import torch
 from .. import comm
 from ..config.errors import UnsupportedCombinationError
 from ..ops.functional import grad_sqnorm
-from ..moe.params import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+from ..moe.params import is_moe_param
 
 
 class Domain(NamedTuple):
@@ -77,14 +76,6 @@ def configure_moe(model: torch.nn.Module, stage: int, dense_world: int, mpu=None
     return domains
 
 
-def split_moe_groups(groups: List[Dict[str, Any]], domains: Dict[str, Domain]) -> List[Dict[str, Any]]:
-    """The optimizer groups with the expert parameters of each domain in groups of their own (the config
-    optimizer's, as DeepSpeed's engine makes them); unchanged without domains or when split already."""
-    if not domains or any(g.get("moe") for g in groups):
-        return groups
-    return split_params_into_different_moe_groups_for_optimizer(groups)
-
-
 def split_base_groups(base: torch.optim.Optimizer, domains: Dict[str, Domain]) -> None:
     """Cuts each base optimizer group that mixes domains into one group per domain, with the same
     options (the expert ones named after their domain, ``moe`` True), as
@@ -121,9 +112,9 @@ def domain_of_group(params: List[torch.nn.Parameter], domains: Dict[str, Domain]
 
 
 class DomainReducers:
-    """The reducers of each domain (the dense one first, then the expert ones by name) as one: every
-    call goes to all of them. Each reduces its own groups over its own process group, so the buckets of
-    dense and expert gradients never mix."""
+    """The reducers of each domain (the dense one first, then the expert ones by name) behind the one
+    reducer interface ZeroOptimizer and the engine use: each call goes to all of them. Each reduces its
+    own groups over its own process group, so dense and expert gradients never share a bucket."""
 
     def __init__(self, reducers: List[Any], worlds: List[int]):
         self.reducers, self.worlds = reducers, worlds
@@ -132,21 +123,32 @@ class DomainReducers:
         for r, w in zip(self.reducers, self.worlds):
             r.reduce(w)
 
-    def __getattr__(self, name: str):
-        if name.startswith("__") or name in ("reducers", "worlds"):
-            raise AttributeError(name)
-        members = [getattr(r, name) for r in self.reducers]
-        if not callable(members[0]):
-            raise AttributeError(f"DomainReducers has no attribute {name!r}")
+    def after_step(self) -> None:
+        for r in self.reducers:
+            r.after_step()
 
-        def every(*args, **kwargs):
-            out = [m(*args, **kwargs) for m in members]
-            return [x for o in out for x in o] if isinstance(out[0], list) else None
-        return every
+    def free_buffers(self) -> None:
+        for r in self.reducers:
+            r.free_buffers()
+
+    def remove_hooks(self) -> None:
+        for r in self.reducers:
+            r.remove_hooks()
+
+    def begin_deferral(self) -> None:
+        for r in self.reducers:
+            r.begin_deferral()
+
+    def end_deferral(self, flush: bool) -> None:
+        for r in self.reducers:
+            r.end_deferral(flush)
+
+    def tensors(self):
+        return [kt for r in self.reducers for kt in r.tensors()]
 
     @property
     def buffers(self) -> List[torch.Tensor]:
-        return [b for r in self.reducers for b in getattr(r, "buffers", ())]
+        return [b for r in self.reducers for b in r.buffers]
 
 
 def stage0_expert_sq(groups, device) -> torch.Tensor:
