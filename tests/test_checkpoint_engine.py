@@ -56,7 +56,7 @@ def _train(engine, steps, model_name, dtype):
 
 
 def _snapshot(engine):
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     return {"params": full_params(engine),
             "masters": [g.master.detach().clone() for g in opt.flat_groups],
             "state": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.optimizer.state.values()],
@@ -119,7 +119,7 @@ def _full_state(engine):
         if p.requires_grad:
             out[n] = (utils.safe_get_full_fp32_param(p), utils.safe_get_full_optimizer_state(p, "exp_avg"),
                       utils.safe_get_full_optimizer_state(p, "exp_avg_sq"))
-    steps = {int(s["step"]) for s in engine.optimizer.optimizer.state.values()}
+    steps = {int(s["step"]) for s in engine.zero_optimizer.optimizer.state.values()}
     return out, steps
 
 
@@ -285,7 +285,7 @@ def _save_and_export(tmp):
 
     masters = {}
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    for g in engine.optimizer.flat_groups:
+    for g in engine.zero_optimizer.flat_groups:
         parts = [torch.empty_like(g.master) for _ in range(engine.world_size)]
         dist.all_gather(parts, g.master.detach())
         full = torch.cat(parts)

@@ -2,7 +2,8 @@
 matches zero_ext's optimizer at stage 0 over a 16-bit model when the base is what DeepSpeed holds as its
 FusedAdam (a config Adam/AdamW section), FP16_UnfusedOptimizer when it is another (a client torch
 optimizer); stage 0's ``fp32_groups_flat`` is the whole fp32 master of each group, the tensors the
-optimizer steps, and ``fp32_groups`` the same masters per parameter."""
+optimizer steps, and ``fp32_groups`` the same masters per parameter. Over an fp32 model stage 0 hands
+out the base optimizer itself (optim/handed_out.py), neither class."""
 import sys
 
 import pytest
@@ -57,8 +58,10 @@ def _stage0(stage, precision, client):
 def test_fp16_optimizer_class_and_stage0_masters(stage, precision, client, classes):
     for found, views, refused in run_ranks(2, _stage0, stage, precision, client):
         assert found == classes
-        if stage == 0:
+        if stage == 0 and precision:
             assert views is True
+        elif stage == 0:  # over fp32 DeepSpeed hands out the base optimizer itself, which has no masters
+            assert views is None and "object has no attribute 'fp32_groups_flat'" in refused
         else:
             assert "runs stage 1" in refused
 

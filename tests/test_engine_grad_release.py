@@ -31,7 +31,7 @@ def _run(stage):
     for it in range(3):
         x, y = MLP.batch(2 * world, torch.Generator().manual_seed(it))
         engine.backward(model.loss((x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])))
-        log.append(_views(opt))
+        log.append(_views(engine.zero_optimizer))
         engine.step()
         log.append(all(p.grad is None for p in model.parameters()))
         ref_opt.zero_grad()

@@ -161,9 +161,10 @@ def _create_destroy_cycles(stage, offload, cycles):
             zero["offload_optimizer"] = {"device": "cpu"}
         elif offload == "nvme":
             zero["offload_optimizer"] = {"device": "nvme", "nvme_path": tempfile.gettempdir()}
-        engine, opt, _, _ = zero_ext.initialize(model=model, config={
+        engine, handed, _, _ = zero_ext.initialize(model=model, config={
             "train_micro_batch_size_per_gpu": 2, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}})
+        opt = engine.zero_optimizer  # (at stage 0 over fp32 ``handed`` is its base)
         x, y = MLP.batch(2, torch.Generator().manual_seed(rank))
         engine.backward(engine.module.loss((x, y)))
         engine.step()
@@ -180,7 +181,7 @@ def _create_destroy_cycles(stage, offload, cycles):
             refused = "was destroyed" in str(exc)
         with zero_ext.zero.GatheredParameters(list(model.parameters())):  # (stage 3: still partitioned)
             plain = model(x)  # the module runs without the engine
-        del engine, opt
+        del engine, opt, handed  # (what the script holds; the base optimizer too)
         gc.collect()
         out.append({"alive": sum(r() is not None for r in watched), "hooks": _hooks_on(model), "refused": refused,
                     "swap_dir_left": swap_dir is not None and os.path.exists(swap_dir),

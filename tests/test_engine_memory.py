@@ -51,6 +51,7 @@ def _measure(stage, dtype, overlap):
         points[f"after backward {step}"] = engine.memory_breakdown()
         engine.step()
         points[f"after step {step}"] = engine.memory_breakdown()
+    opt = engine.zero_optimizer  # (the base itself at stage 0 over fp32)
     psi = sum(g.padded for g in opt.flat_groups)
     frozen = sum(getattr(p, "ds_tensor", p).numel() * p.element_size()
                  for p in engine.module.parameters() if not p.requires_grad)
@@ -123,6 +124,7 @@ def _stage_2_through_accumulation(dtype):
         table = engine.memory_breakdown()
         points.append((table["fp32_grads"]["accelerator"],
                        table["comm_buffers"]["accelerator"] - _transport_share(engine.world_size)))
+    opt = engine.zero_optimizer  # (the base itself at stage 0 over fp32)
     psi = sum(g.padded for g in opt.flat_groups)
     bucket_numel = opt.reducer.buffer_numel
     engine.destroy()

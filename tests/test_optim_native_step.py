@@ -99,7 +99,7 @@ def _run(stage, dtype, section, gas=1, clip=0.0):
         model = MLP()
         engine, opt, _, _ = zero_ext.initialize(model=model, model_parameters=model.param_groups(),
                                                 config=_config(stage, dtype, section, gas, clip))
-        base = type(opt.optimizer).__name__
+        base = type(engine.zero_optimizer.optimizer).__name__
         losses = train(engine, _batches(torch.distributed.get_world_size(), gas, dtype),
                        torch.distributed.get_rank())
         params = full_params(engine)

@@ -37,6 +37,7 @@ from .offload.memory import MemoryAccount
 from .offload.plan import OffloadPlan
 from .optim.coalesce import check_coalesce, deferred_reduction
 from .optim.direct_backward import DirectBackward
+from .optim.handed_out import hand_out, hands_out_base, take_back
 from .optim.throughput import ThroughputTimer
 from .optim.wall_clock import WallClock
 from .optim.step_check import agree_on_step
@@ -67,7 +68,7 @@ def engine_of_module(module) -> Optional["ZeroEngine"]:
 
 class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Module):
     """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
-    engine), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
+    engine; ``engine.optimizer`` is what initialize hands out, optim/handed_out.py), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
     the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
 
     def __init__(self, module: torch.nn.Module, config, optimizer, offload: OffloadPlan,
@@ -96,7 +97,10 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self._no_sync: Optional[str] = None  # inside no_sync() or coalesce_grad_reduction(): that name
         self.offload = offload  # ZeRO-Offload placement (offload/plan.py)
         self.training_dataloader = training_dataloader
-        self.optimizer = optimizer
+        self.zero_optimizer = optimizer  # the ZeroOptimizer (None: forward only)
+        self.basic_optimizer = optimizer.optimizer if optimizer is not None else None  # (DeepSpeed's name)
+        # what initialize returns: the base itself at stage 0 over fp32, as DeepSpeed (optim/handed_out.py)
+        self.optimizer = hand_out(self) if optimizer is not None and hands_out_base(optimizer) else optimizer
         self.nvme_pieces = nvme_pieces
         self.lr_scheduler = lr_scheduler
         self.wall_clock = WallClock(config.wall_clock_breakdown, config.steps_per_print, self.global_rank)
@@ -148,10 +152,10 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
             raise EngineUsageError(f"{what}: in ZeRO stage {stage} gradients are averaged across ranks only at the "
                                "gradient-accumulation boundary; call it after the backward of the last micro step "
                                "(when engine.is_gradient_accumulation_boundary() is True), or use stage 2")
-        self.optimizer.ensure_reduced()
+        self.zero_optimizer.ensure_reduced()
         if stage < 2:
             self._advance("reduce_early", what)
-        return self.optimizer
+        return self.zero_optimizer
 
     def unaveraged_gradients(self, what: str) -> Optional[str]:
         """Inside ``no_sync()`` or ``coalesce_grad_reduction()`` the safe_get gradient reads return this
@@ -254,7 +258,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self._require_optimizer("coalesce_grad_reduction")
         self._no_sync = "coalesce_grad_reduction"
         try:
-            with deferred_reduction(self.optimizer.reducer):
+            with deferred_reduction(self.zero_optimizer.reducer):
                 yield
         finally:
             self._no_sync = None
@@ -308,7 +312,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         gas = self.gradient_accumulation_steps()
         if scale_wrt_gas and gas > 1:
             loss = loss / gas
-        scale = self.optimizer.cur_scale
+        scale = self.zero_optimizer.cur_scale
         with self.wall_clock.phase("bwd_inner"), self.direct_backward.engine_backward():
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self._advance("backward", "engine.backward")
@@ -373,11 +377,11 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             if self.world_size > 1:  # every rank takes this step, or all raise (optim/step_check.py)
-                agree_on_step(self.global_steps, self.optimizer.pg, self.device)
+                agree_on_step(self.global_steps, self.zero_optimizer.pg, self.device)
             try:
-                self._step_applied = self.optimizer.step()
+                self._step_applied = self.zero_optimizer.step()
             except OSError as exc:  # an NVMe write failed: undone on every rank (optim/nvme_step.py), or not
-                nvme = self.optimizer.nvme is not None or self.nvme_pieces is not None
+                nvme = self.zero_optimizer.nvme is not None or self.nvme_pieces is not None
                 if nvme and not getattr(exc, "rolled_back", False):
                     self._failed = (f"step {self.global_steps + 1} could not write its state to NVMe ({exc}), so "
                                     "part of that step's model and optimizer state is lost. Free space under "
@@ -391,7 +395,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
             else:
                 self.skipped_steps += 1
                 logger.info("fp16 overflow: step %d skipped, loss scale now %g", self.global_steps,
-                            self.optimizer.cur_scale)
+                            self.zero_optimizer.cur_scale)
             # counted on skipped steps too, as DeepSpeed does
             self.global_steps += 1
             self.global_samples += self.train_batch_size() if self.managed_gradient_accumulation() else (
@@ -403,8 +407,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drops the gradients accumulated since the last step."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.zero_grad()
         if self.phase is not StepPhase.DESTROYED:
             self._advance("zero_grad", "engine.zero_grad")
 
@@ -417,15 +421,15 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         return self.wall_clock.snapshot()
 
     def get_global_grad_norm(self) -> Optional[float]:
-        return self.optimizer.global_grad_norm if self.optimizer is not None else None
+        return self.zero_optimizer.global_grad_norm if self.zero_optimizer is not None else None
 
     def get_lr(self) -> List[float]:
-        return [g.get("lr", 0.0) for g in self.optimizer.param_groups] if self.optimizer is not None else []
+        return [g.get("lr", 0.0) for g in self.zero_optimizer.param_groups] if self.zero_optimizer is not None else []
 
     def get_mom(self) -> List:
-        if self.optimizer is None:
+        if self.zero_optimizer is None:
             return []
-        return [g.get("betas", g.get("momentum", 0.0)) for g in self.optimizer.param_groups]
+        return [g.get("betas", g.get("momentum", 0.0)) for g in self.zero_optimizer.param_groups]
 
     # -- memory -----------------------------------------------------------------------------------------
 
@@ -437,7 +441,7 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         Tiers: accelerator (the compute device), host, nvme. A byte is counted once, under the first kind
         that holds it."""
         account = MemoryAccount(self.device, host=offload_state.offloaded_tensors(self) + self.host_placed())
-        for kind, tensor in (self.optimizer.tensors() if self.optimizer is not None else []):
+        for kind, tensor in (self.zero_optimizer.tensors() if self.zero_optimizer is not None else []):
             account.add(kind, tensor)
         for p in self.module.parameters():
             account.add("params", p.data)  # stage 3: the full value while gathered, else nothing
@@ -456,11 +460,11 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
                 account.add("params", t)
         for t, tier in activation_checkpointing.held():
             account.add("activations", t, tier=tier)
-        if self.optimizer is not None and self.optimizer.nvme is not None:
-            masters, states = self.optimizer.nvme_bytes()
+        if self.zero_optimizer is not None and self.zero_optimizer.nvme is not None:
+            masters, states = self.zero_optimizer.nvme_bytes()
             account.bytes["fp32_master"]["nvme"] += masters
             account.bytes["optimizer_state"]["nvme"] += states
-            account.bytes["comm_buffers"]["host"] += self.optimizer.nvme.host_bytes()  # the swap buffers
+            account.bytes["comm_buffers"]["host"] += self.zero_optimizer.nvme.host_bytes()  # the swap buffers
         # the native transport's shared slots, this rank's share (docs/memory.md): host memory, which
         # on a CPU run is the compute device's
         account.bytes["comm_buffers"]["accelerator" if self.device.type == "cpu" else "host"] += \
@@ -486,8 +490,8 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
     def _state_in_memory(self, modified: bool):
         """NVMe offload: masters, optimizer state and 16-bit pieces in memory for a checkpoint
         (ZeroOptimizer.materialized)."""
-        if self.optimizer is not None:
-            return self.optimizer.materialized(modified=modified)
+        if self.zero_optimizer is not None:
+            return self.zero_optimizer.materialized(modified=modified)
         if self.nvme_pieces is not None:
             return self.nvme_pieces.materialized(modified)
         return contextlib.nullcontext()
@@ -495,10 +499,10 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
     def host_placed(self) -> List[torch.Tensor]:
         """Tensors the offload config keeps in host memory: the offloaded optimizer's masters, gradient
         partitions and state; with offload_param the parameter pieces."""
-        out = self.optimizer.host_tensors() if self.optimizer is not None else []
+        out = self.zero_optimizer.host_tensors() if self.zero_optimizer is not None else []
         if self.offload.params:
             out += [p.ds_tensor for p in self.module.parameters() if getattr(p, "ds_tensor", None) is not None]
-            out += [g.flat for g in (self.optimizer.flat_groups if self.optimizer is not None else [])]
+            out += [g.flat for g in (self.zero_optimizer.flat_groups if self.zero_optimizer is not None else [])]
         return out
 
     # -- checkpoints (save/load/wait: checkpoint/engine_api.py) -----------------------------------------------
@@ -565,10 +569,11 @@ class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Mod
         engine object is still referenced. The module keeps its trained weights: stages 0-2 as plain
         parameters; stage 3 partitioned (as in DeepSpeed: read them under GatheredParameters, or make them
         whole with zero_ext.zero.unpartition). backward()/step() afterwards are errors."""
-        if self.optimizer is not None:
-            self.optimizer.reducer.remove_hooks()
-            self.optimizer.destroy_offload()
-            self.optimizer.release()
+        if self.zero_optimizer is not None:
+            self.zero_optimizer.reducer.remove_hooks()
+            self.zero_optimizer.destroy_offload()
+            self.zero_optimizer.release()
+            take_back(self.zero_optimizer.optimizer)
         if self.nvme_pieces is not None:  # the model keeps its weights: pieces back in host memory first
             for pieces in self._piece_stores():  # (zero.Init's own store holds the pieces it wrote and kept)
                 pieces.bring_home()

@@ -145,7 +145,7 @@ def save_checkpoint(engine, save_dir: str, tag: Optional[str] = None, client_sta
     try:
         # stage 0 replicates: rank 0's copy is the whole state; MiCS: shard group 0's (ranks 0 .. shard size - 1)
         # (stage 0 with expert-parallel groups: the ranks hold different experts, each writes its own)
-        if (stage >= 1 and rank < engine.optimizer.world) or rank == 0 or experts_apart(engine.optimizer):
+        if (stage >= 1 and rank < engine.zero_optimizer.world) or rank == 0 or experts_apart(engine.zero_optimizer):
             name = optim_file(rank, bf16)
             digests[name] = write_torch_file(_optim_state(engine, exclude_frozen_parameters), os.path.join(tag_dir, name))
         if engine.has_moe_layers:  # one file per expert, by its expert-data-parallel group's first rank
@@ -265,7 +265,7 @@ class TagMismatchError(CheckpointError, AssertionError):
 
 
 def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
-    module, opt = engine.module, engine.optimizer
+    module, opt = engine.module, engine.zero_optimizer
     names = _param_names(module)
     zero = _zero_params(module)
     sd = {k: v for k, v in module.state_dict().items() if k not in zero}  # stage 3 pieces go to the shards
@@ -294,7 +294,7 @@ def _model_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
 
 
 def _optim_state(engine, exclude_frozen: bool) -> Dict[str, Any]:
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     stage = engine.config.zero_optimization.stage
     scaler = opt.loss_scaler
     osd = {
@@ -379,7 +379,7 @@ def load_checkpoint(engine, load_dir: str, tag: Optional[str] = None, load_modul
     else:
         state, saved, shards = _on_every_rank(engine, read)
         apply(state, saved, shards)
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     if not (with_optimizer or saved["stage"] == 3):
         for g in opt.flat_groups:  # rebuild the fp32 masters from the loaded weights, as DeepSpeed does
             with torch.no_grad():
@@ -439,7 +439,7 @@ def _check_layout(engine, saved: Dict[str, Any], tag_dir: str) -> None:
 def _refresh_weights(engine) -> None:
     """After the masters changed: every rank's model copy follows (stages 1/2 all-gather the new
     partitions; stage 3 re-gathers its persistent parameters)."""
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     stage = engine.config.zero_optimization.stage
     if stage in (1, 2) and engine.world_size > 1:
         opt.all_gather_params()

@@ -15,7 +15,7 @@ from .experts import expert_layout
 
 
 def describe(engine) -> Dict[str, Any]:
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     names = {id(p): n for n, p in engine.module.named_parameters()}
     stage = engine.config.zero_optimization.stage
     groups = [{"params": [names[id(p)] for p in g.params], "numels": list(g.numels)} for g in opt.flat_groups]
@@ -32,7 +32,7 @@ def scatter(engine, full: Dict[str, torch.Tensor], like: List[torch.Tensor]) -> 
     """This rank's partitions (shaped like ``like``, one per group) of full per-parameter values."""
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out = []
-    for g, ref in zip(engine.optimizer.flat_groups, like):
+    for g, ref in zip(engine.zero_optimizer.flat_groups, like):
         part = torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)
         for i, p in enumerate(g.params):
             piece = g.piece_of(i)

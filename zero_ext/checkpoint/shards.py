@@ -52,7 +52,7 @@ def read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> Shards:
                               "resharded; load it with the layout it was saved with")
     if same:
         # (MiCS: the rank in the shard group; stage 0 with experts apart: this rank's own file)
-        ranks = [engine.optimizer.rank if saved["world"] > 1 or experts_apart(engine.optimizer) else 0]
+        ranks = [engine.zero_optimizer.rank if saved["world"] > 1 or experts_apart(engine.zero_optimizer) else 0]
     else:
         ranks = list(range(saved["world"]))
     return Shards(same, {r: verified_load(tag_dir, optim_file(r, manifest["bf16"]), manifest, mapped=True)
@@ -60,7 +60,7 @@ def read_shards(engine, tag_dir: str, manifest: Dict[str, Any]) -> Shards:
 
 
 def load_masters(engine, saved: Dict[str, Any], shards: Shards) -> None:
-    opt, key = engine.optimizer, partition_key(saved["stage"])
+    opt, key = engine.zero_optimizer, partition_key(saved["stage"])
     if shards.same:
         parts = shards.first[key]
     else:
@@ -73,7 +73,7 @@ def load_masters(engine, saved: Dict[str, Any], shards: Shards) -> None:
 
 
 def load_optimizer_state(engine, saved: Dict[str, Any], shards: Shards) -> None:
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     saved_sd = shards.first["base_optimizer_state"]
     masters = [g.master for g in opt.flat_groups]
     if shards.same:

@@ -64,7 +64,7 @@ def _settle(non_blocking: bool) -> None:
 
 def _kind_tensors(engine, kind: OffloadStateTypeEnum):
     """The tensors of one kind, as (tensor, views-to-repoint) pairs."""
-    opt = engine.optimizer
+    opt = engine.zero_optimizer
     out = []
     for g in opt.flat_groups:
         aliased = g.master.data_ptr() == g.flat[g.lo:g.hi].data_ptr()
@@ -92,7 +92,7 @@ def _kind_tensors(engine, kind: OffloadStateTypeEnum):
 def _repoint(engine) -> None:
     """Views follow their bases: parameters (stage 3: pieces), fp32 masters of fp32 models, gradients of
     stages 0/1."""
-    for g in engine.optimizer.flat_groups:
+    for g in engine.zero_optimizer.flat_groups:
         if hasattr(g, "zparams") and getattr(engine, "nvme_pieces", None) is not None:
             pass  # offload_param nvme: the pieces follow their swap group (nvme_params.py)
         elif hasattr(g, "zparams"):  # stage 3: each piece is a view of the sub-group's buffer
@@ -122,7 +122,7 @@ def offload_states(engine, include: Optional[Iterable] = None, device=OffloadDev
         if kind in engine.offloaded_kinds():
             continue
         if kind == OffloadStateTypeEnum.contiguous_grad_buffer:
-            engine.optimizer.reducer.free_buffers()  # nothing lives in them between steps: reallocated on use
+            engine.zero_optimizer.reducer.free_buffers()  # nothing lives in them between steps: reallocated on use
         else:
             for t in _kind_tensors(engine, kind):
                 _move(t, "cpu", pin_memory, non_blocking)
@@ -151,9 +151,9 @@ def get_state_devices(model, state: OffloadStateTypeEnum) -> Set[torch.device]:
     engine = model
     state = OffloadStateTypeEnum(state)
     if state == OffloadStateTypeEnum.contiguous_grad_buffer:
-        return {b.device for b in engine.optimizer.reducer.buffers}
+        return {b.device for b in engine.zero_optimizer.reducer.buffers}
     if state == OffloadStateTypeEnum.hp_params:
-        return {g.master.device for g in engine.optimizer.flat_groups}
+        return {g.master.device for g in engine.zero_optimizer.flat_groups}
     return {t.device for t in _kind_tensors(engine, state)}
 
 
@@ -162,4 +162,4 @@ def offloaded_tensors(engine):
     parked = engine.offloaded_kinds()
     return [t for kind in parked if kind != OffloadStateTypeEnum.contiguous_grad_buffer
             for t in _kind_tensors(engine, kind)] + (
-        [g.master for g in engine.optimizer.flat_groups] if OffloadStateTypeEnum.lp_params in parked else [])
+        [g.master for g in engine.zero_optimizer.flat_groups] if OffloadStateTypeEnum.lp_params in parked else [])

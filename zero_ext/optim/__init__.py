@@ -26,6 +26,7 @@ Files:
   a mixin.
 - bf16_master.py: bf16.bf16_master_weights_and_grads / bf16_optimizer_states: the master dtype and
   DeepSpeed's rules for them (offload with the CPU Adam unless the optimizer states are bf16).
+- handed_out.py: which optimizer initialize hands out (the base itself at stage 0 over fp32, as DeepSpeed).
 - factory.py: the base optimizer from the config (torch's, or the C one with optimizer offload), and
   the rules for a client's optimizer.
 """

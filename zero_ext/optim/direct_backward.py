@@ -86,7 +86,7 @@ class DirectBackward:
             raise EngineUsageError("engine.scale(loss): loss must be a scalar tensor with a grad_fn (for a "
                                    "non-scalar output call out.backward(grad) directly)")
         self.scaled = True
-        scale = self.engine.optimizer.cur_scale
+        scale = self.engine.zero_optimizer.cur_scale
         return loss * scale if scale != 1.0 else loss
 
     def _on_grad(self, grad):
@@ -110,13 +110,13 @@ class DirectBackward:
         one, as in DeepSpeed, runs on an unscaled fp16 loss too: a warning says what the step will do."""
         self.engine._require_optimizer("backward")
         scaled, self.scaled = self.scaled, False
-        if self.engine.optimizer.needs_scaler() and not scaled:
+        if self.engine.zero_optimizer.needs_scaler() and not scaled:
             problem = f"Loss scaling is required (fp16), but {what} counts a backward of an unscaled loss"
             fix = "call engine.scale(loss).backward() or engine.backward(loss)"
             if unscaled_is_error:
                 raise EngineUsageError(f"{problem}: {fix}")
             warnings.warn(f"{problem} (unless it was scaled by hand): the step divides these gradients by the loss "
-                          f"scale ({self.engine.optimizer.cur_scale:g}); {fix}", RuntimeWarning, stacklevel=3)
+                          f"scale ({self.engine.zero_optimizer.cur_scale:g}); {fix}", RuntimeWarning, stacklevel=3)
         self.engine._advance("backward", what)
 
     def take_hand_set_gradients(self) -> bool:
@@ -129,7 +129,7 @@ class DirectBackward:
         would be dropped without a word, so they raise. Collective, like the step: True when any rank has
         assigned gradients."""
         engine = self.engine
-        groups = engine.optimizer.flat_groups
+        groups = engine.zero_optimizer.flat_groups
         assigned = any(_assigned(g) for g in groups)
         if engine.world_size > 1:
             flag = torch.tensor([1.0 if assigned else 0.0], device=engine.device)
@@ -137,7 +137,7 @@ class DirectBackward:
             assigned = bool(flag.item())
         if assigned and any(getattr(g, "lp_grad", None) is None for g in groups):
             raise EngineUsageError(f"engine.step(): parameters have .grad assigned by hand, but ZeRO stage "
-                                   f"{engine.optimizer.stage} reduces gradients during engine.backward() and never "
+                                   f"{engine.zero_optimizer.stage} reduces gradients during engine.backward() and never "
                                    "reads .grad, so they would be dropped. Compute them with engine.backward(loss), "
                                    "or use ZeRO stage 0 or 1, which take assigned gradients")
         return assigned
@@ -149,7 +149,7 @@ class DirectBackward:
         engine = self.engine
         if engine.phase.value == "accumulated":  # a backward ran earlier in this accumulation: its gradients
             return
-        groups = engine.optimizer.flat_groups
+        groups = engine.zero_optimizer.flat_groups
         found = any(t is not None and bool(t.any()) for g in groups for t in (getattr(g, "lp_grad", None), g.grad))
         if engine.world_size > 1:
             flag = torch.tensor([1.0 if found else 0.0], device=engine.device)  # (offloaded grads live on the host)

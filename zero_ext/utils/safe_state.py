@@ -70,7 +70,7 @@ class _Where:
     fragments over the ranks (comm/fragments.py: the data path, in C)."""
 
     def __init__(self, engine, gi: int, i: int):
-        self.engine, self.opt = engine, engine.optimizer
+        self.engine, self.opt = engine, engine.zero_optimizer
         self.gi, self.g, self.i = gi, self.opt.flat_groups[gi], i
         g = self.g
         shards = getattr(g, "shards", None)  # stage 3: local forms are the padded piece (ds_tensor)
@@ -99,7 +99,7 @@ def _shape(param) -> torch.Size:
 def _where(param) -> Optional[_Where]:
     """param's place, or None when no live engine steps it (frozen, or not in an engine)."""
     engine = engine_of(param)
-    place = engine.optimizer.place_of(param) if engine is not None else None
+    place = engine.zero_optimizer.place_of(param) if engine is not None else None
     return None if place is None else _Where(engine, *place)
 
 

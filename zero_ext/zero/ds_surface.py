@@ -1,7 +1,7 @@
 """DeepSpeed's ZeRO-3 hook surface, as libraries reach for it (TRL's ``unwrap_model_for_generation``).
 
 TRL gathers the whole model, then removes and re-adds DeepSpeed's hooks through
-``engine.optimizer.parameter_offload`` (DeepSpeed's ``DeepSpeedZeRoOffload``):
+``engine.zero_optimizer.parameter_offload`` (DeepSpeed's ``DeepSpeedZeRoOffload``):
 
 - ``.module``; ``.forward_hooks`` / ``.backward_hooks``: lists of handles it calls ``remove()`` on and
   then replaces by empty lists; ``._register_deepspeed_module(module)``: put the hooks back;
@@ -80,7 +80,7 @@ class CoordinatorView:
 
 
 class ParameterOffload:
-    """``engine.optimizer.parameter_offload`` at stage 3 (see the module docstring)."""
+    """``engine.zero_optimizer.parameter_offload`` at stage 3 (see the module docstring)."""
 
     def __init__(self, zero_model):
         self._zero_model = zero_model

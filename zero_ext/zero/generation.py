@@ -101,7 +101,7 @@ def generation(model, max_bytes: Optional[int] = None):
 @contextlib.contextmanager
 def unwrap_model_for_generation(model):
     """DeepSpeed's ``deepspeed.runtime.zero.unwrap_model_for_generation(engine)``: every parameter
-    gathered and the ZeRO-3 hooks removed for the block (``engine.optimizer.parameter_offload.forward_hooks``
+    gathered and the ZeRO-3 hooks removed for the block (``engine.zero_optimizer.parameter_offload.forward_hooks``
     is empty inside), then put back; yields ``model`` itself. Collective, like GatheredParameters."""
     offload = getattr(getattr(model, "optimizer", None), "parameter_offload", None)
     with GatheredParameters(list(model.parameters())):
