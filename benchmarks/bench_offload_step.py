@@ -158,7 +158,7 @@ def worker(rank: int, world: int, args, port: int, queue) -> None:
         engines[mode], _, _, _ = zero_ext.initialize(model=model, config=config(mode))
         phases[mode] = Phases()
         instrument(engines[mode], phases[mode])
-    kinds = {m: type(e.optimizer.optimizer).__name__ for m, e in engines.items()}
+    kinds = {m: type(e.basic_optimizer).__name__ for m, e in engines.items()}
     gen = torch.Generator().manual_seed(100 + rank)
     times = {m: [] for m in MODES}
     for i in range(args.warmup + args.steps):
@@ -176,7 +176,7 @@ def worker(rank: int, world: int, args, port: int, queue) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[mode] = {n: statistics.median(t[:, j].tolist()) for j, n in enumerate(names)}
     numel = sum(p.numel() for p in engines["offload"].module.parameters())
-    state = engines["offload"].optimizer.optimizer.state.values()
+    state = engines["offload"].basic_optimizer.state.values()
     v = torch.cat([s["exp_avg_sq"].reshape(-1) for s in state])
     subnormal = float(((v != 0) & (v.abs() < torch.finfo(torch.float32).tiny)).double().mean())
     if rank == 0:

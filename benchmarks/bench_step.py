@@ -168,7 +168,7 @@ def zero_trainer(model, name: str, batch: int):
 
     def tensor_bytes():
         return sum(engine.memory_breakdown()["total"].values())
-    return step, tensor_bytes, engine.optimizer.optimizer
+    return step, tensor_bytes, engine.basic_optimizer
 
 
 class UpdateClock:
