@@ -297,7 +297,7 @@ def _accelerate_save_and_load_state(site_dir, out_dir, stage):
     return steps, diff
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 2, 3])  # (0: the base optimizer handed out, as DeepSpeed)
 def test_accelerate_loop_save_state_and_load_state(site, tmp_path, stage):
     for steps, diff in run_ranks(2, _accelerate_save_and_load_state, site, str(tmp_path), stage, init=False,
                                  timeout=TIMEOUT):
