@@ -1,7 +1,8 @@
 """Stage 0 over an fp32 model hands out the base optimizer itself, as DeepSpeed does (optim/handed_out.py):
 the client's object, the callable's result or the config section's optimizer; a torch scheduler built over
 it after initialize drives the engine's steps; its zero_grad drops the engine's gradients wherever in the
-step cycle it is called; every other stage and precision keeps the ZeroOptimizer. 2 gloo ranks against one
+step cycle it is called; stepped directly by the script, it steps the gradients averaged across ranks;
+every other stage and precision keeps the ZeroOptimizer. 2 gloo ranks against one
 plain process that sees both ranks' batches."""
 import warnings
 
@@ -44,13 +45,17 @@ def _train(how):
         if how == "between" and it == 2:  # this step's gradients dropped: the step applies nothing
             opt.zero_grad()
             ref_opt.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # (the engine's note of a step without gradients)
-            engine.step()
+        if how == "direct":  # DeepSpeed-style: the base stepped and cleared by the script itself
+            opt.step()
+            opt.zero_grad()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # (the engine's note of a step without gradients)
+                engine.step()
         ref_opt.step()
         sched.step()
         ref_sched.step()
-        if how == "between":
+        if how in ("between", "direct"):
             ref_opt.zero_grad()
         lrs.append(opt.param_groups[0]["lr"])
     gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
@@ -59,7 +64,7 @@ def _train(how):
     return gap, lrs, handed, "zero_grad" in client.__dict__
 
 
-@pytest.mark.parametrize("how", ["before", "between"])
+@pytest.mark.parametrize("how", ["before", "between", "direct"])
 def test_the_client_optimizer_is_handed_out_and_trains_like_torch(how):
     for gap, lrs, handed, still_patched in run_ranks(2, _train, how):
         assert handed == (True, True, "ZeroOptimizer")

@@ -10,11 +10,17 @@ The base steps the flat fp32 buffer the parameters are views of (optim/flat_grou
 ``zero_grad`` would clear only that buffer's ``.grad``, and the next step would see no gradient while
 the parameters' ``.grad`` kept theirs. The handed-out instance's ``zero_grad`` is therefore the engine's
 (the gradients dropped, ``.grad`` None, the step cycle back at its start), as DeepSpeed's base
-``zero_grad`` clears the parameters' gradients there. ``engine.destroy()`` gives the method back.
+``zero_grad`` clears the parameters' gradients there. And a script may step the base directly
+(``engine.backward(loss); optimizer.step(); optimizer.zero_grad()``): DeepSpeed's backward has averaged
+the gradients across ranks by then, zero_ext's step averages them, so a step pre-hook on the base averages
+them first when the engine has not (the engine's own step has; without it each rank would step its own
+gradients and the replicas drift apart). ``engine.destroy()`` removes both.
 """
 import weakref
 
 import torch
+
+_PRE_STEP = weakref.WeakKeyDictionary()  # handed-out base -> its step pre-hook's handle
 
 
 def hands_out_base(zopt) -> bool:
@@ -35,11 +41,20 @@ def hand_out(engine) -> torch.optim.Optimizer:
         if live is not None:
             live.zero_grad(set_to_none)
 
+    def average_first(_optimizer, _args, _kwargs) -> None:
+        live = ref()
+        if live is not None and not live.zero_optimizer.reduced:  # (the engine's step has reduced already)
+            live.gradients("optimizer.step() (the base optimizer, stepped directly)")
+
     zero_grad.__doc__ = "The engine's zero_grad (zero_ext.optim.handed_out): drops the gradients of this step."
     base.zero_grad = zero_grad
+    _PRE_STEP[base] = base.register_step_pre_hook(average_first)
     return base
 
 
 def take_back(base: torch.optim.Optimizer) -> None:
-    """engine.destroy(): the base's own zero_grad again."""
+    """engine.destroy(): the base's own zero_grad again, and no step pre-hook."""
     base.__dict__.pop("zero_grad", None)
+    handle = _PRE_STEP.pop(base, None)
+    if handle is not None:
+        handle.remove()
