@@ -67,9 +67,10 @@ def engine_of_module(module) -> Optional["ZeroEngine"]:
 
 
 class ZeroEngine(CheckpointMethods, ConfigQueries, AutocastQueries, torch.nn.Module):
-    """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only
-    engine; ``engine.optimizer`` is what initialize hands out, optim/handed_out.py), ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces``
-    the store of stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
+    """Made by build.build_engine: ``optimizer`` is the ZeroOptimizer (None for a forward-only engine),
+    kept as ``engine.zero_optimizer``; ``engine.optimizer`` is what initialize hands out (optim/handed_out.py).
+    ``offload`` the config's OffloadPlan, ``zero_model`` stage 3's ZeroModel, ``nvme_pieces`` the store of
+    stage 3's 16-bit pieces with ``offload_param.device = "nvme"``."""
 
     def __init__(self, module: torch.nn.Module, config, optimizer, offload: OffloadPlan,
                  device: Optional[torch.device] = None, zero_model=None, nvme_pieces=None, lr_scheduler=None,
