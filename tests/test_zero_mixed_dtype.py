@@ -2,7 +2,8 @@
 and fp32 LoRA-style adapters added afterwards with ``param.convert_to_zero_parameters``. Each keeps its
 dtype through initialize, forward, backward, step and a checkpoint round trip; training matches a plain
 single-process PyTorch run with fp32 masters; a model built entirely in a dtype the config does not
-train in is still refused. 2 gloo ranks."""
+train in is still refused, unless it was built under a zero.Init that named no dtype (DeepSpeed's
+`with zero.Init():`): then initialize recasts it to the training dtype. 2 gloo ranks."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,3 +221,37 @@ def test_fp32_adapters_keep_fp32_masters_when_the_bf16_model_has_bf16_masters():
     assert results[0]["losses"] == pytest.approx(ref_losses, rel=1e-5)
     for name in ("a", "b"):
         assert torch.allclose(results[0]["params"][name], ref_params[name], atol=1e-6, rtol=0), name
+
+
+def _bare_init_then(precision):
+    """DeepSpeed's pattern: ``with zero.Init():`` (no config, no dtype), then a 16-bit config. The pieces take
+    the config's dtype at initialize, rounded from the values built in torch's default dtype."""
+    import zero_ext
+    from helpers.models import MLP
+
+    torch.manual_seed(0)
+    plain = MLP()
+    torch.manual_seed(0)
+    with zero_ext.zero.Init():
+        model = MLP()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    engine, *_ = zero_ext.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, precision: {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    pieces = {p.ds_tensor.dtype for p in model.parameters()}
+    with zero_ext.zero.GatheredParameters(list(model.parameters())):
+        exact = all(torch.equal(p, q.to(dtype)) for p, q in zip(model.parameters(), plain.parameters()))
+    x, y = MLP.batch(2, torch.Generator().manual_seed(1), dtype)
+    loss = engine.module.loss((x, y))
+    engine.backward(loss)
+    engine.step()
+    engine.destroy()
+    return pieces, exact, bool(torch.isfinite(loss)), engine.global_steps
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_model_built_under_a_bare_init_takes_the_configs_dtype(precision):
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    for pieces, exact, finite, steps in run_ranks(2, _bare_init_then, precision):
+        assert pieces == {want} and exact and finite and steps == 1

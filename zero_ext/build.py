@@ -252,6 +252,7 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
     # theirs (e.g. a bf16 model built under zero.Init for autocast), as at stages 0-2
     keep = dtype is None and cfg.torch_autocast.enabled
     if not keep:
+        _recast_dtype_free(model, want)
         _check_init_dtypes(model, want)
     with torch.no_grad():
         for p in model.parameters():
@@ -289,6 +290,14 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
         zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
         zp.gather_by_all_reduce = zc.use_all_reduce_for_fetch_params  # (zero/collectives.py)
     return zero_model
+
+
+def _recast_dtype_free(model: torch.nn.Module, want: torch.dtype) -> None:
+    """Parameters built under a zero.Init that named no dtype (neither argument nor config) take the
+    training dtype, as DeepSpeed's Init would have given them its own (fp16) and its engine the config's."""
+    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z is not None}.values():
+        if zp.recastable and zp.dtype.is_floating_point and zp.dtype != want:
+            zp.recast(want)
 
 
 def _check_init_dtypes(model: torch.nn.Module, want: torch.dtype) -> None:

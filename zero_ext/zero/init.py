@@ -278,6 +278,7 @@ class _InitSession:
         for zp in converted:
             zp.rename(labels[id(zp.param)])
             zp.sanity_checks, zp.gather_by_all_reduce = self.sanity_checks, self.gather_by_all_reduce
+            zp.recastable = self.dtype is None
             if self.nvme is not None:
                 self.nvme.pieces().add_piece(("init", zp.ds_id), zp)
 
@@ -324,7 +325,9 @@ class Init(contextlib.ContextDecorator):
       and ``bf16``/``fp16`` the dtype (else float32); ``override_module_apply`` is accepted (writes
       after partitioning are exact without a Module.apply patch).
     - ``dtype``: cast new floating-point tensors to it (half, bfloat16 or float32). Without a config
-      and a dtype, tensors keep torch's default dtype (DeepSpeed picks fp16 on accelerators).
+      and a dtype, tensors keep torch's default dtype (DeepSpeed picks fp16 on accelerators), and
+      ``initialize`` recasts those parameters to the training dtype of its config (so DeepSpeed's
+      ``with zero.Init(): model = ...`` followed by an fp16 or bf16 config trains as written).
     - ``mem_efficient_linear``: accepted; zero_ext never keeps gathered weights alive for backward
       (see [Note: freeing gathered storage] in param.py), so there is nothing to switch.
     - ``zero_quantized_weights``, ``zero_quantized_nontrainable_weights``: accepted; whether the training
@@ -378,6 +381,7 @@ class Init(contextlib.ContextDecorator):
         if module is not None:
             for zp in convert.partition_module(module, self.group, self.remote_device, self.pin_memory, self.device):
                 zp.sanity_checks, zp.gather_by_all_reduce = self.sanity_checks, self.gather_by_all_reduce
+                zp.recastable = self.dtype is None
 
     def _read_config(self, source, remote_device, pin_memory, dtype):
         cfg = load_config(source)

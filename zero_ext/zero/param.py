@@ -170,6 +170,8 @@ class ZeroParam:
         self.plain_class = type(param)  # while gathered; guarded_class while partitioned (guard.py)
         self.guarded_class = guarded_class(self.plain_class)
         self._views_possible = False  # see [Note: freeing gathered storage]
+        # built under a zero.Init that named no dtype (no dtype argument, no config): initialize may recast it
+        self.recastable = False
         shard.ds_numel = self.shard_numel  # DeepSpeed's attribute on ds_tensor
         param._zero_owner = self
         param.ds_active_sub_modules = ActiveSubModules(self)
@@ -300,6 +302,25 @@ class ZeroParam:
         """Where the piece lives: an NVMePieces store (nvme/pieces.py), or None for this ZeroParam's own
         ``shard``."""
         self.piece_io = piece_io
+
+    def recast(self, dtype: torch.dtype) -> None:
+        """The piece in another floating-point dtype (``initialize``, for a parameter built under a zero.Init
+        that named none: DeepSpeed's Init would have made it fp16, zero_ext's kept torch's default). Only
+        while partitioned and held by no one, its piece in memory."""
+        self._assert_status(ZeroParamStatus.NOT_AVAILABLE)
+        if self._holders or self.piece_io is not None or self.secondary is not None:
+            raise RuntimeError(f"ZeRO-3 parameter {self.name} cannot change dtype now (held, or its piece is "
+                               "on NVMe or copied): recast it before training starts")
+        pinned = self.shard.device.type == "cpu" and self.shard.is_pinned()
+        shard = self.shard.to(dtype)
+        self.shard = shard.pin_memory() if pinned else shard
+        self.shard.ds_numel = self.shard_numel
+        self.dtype = dtype
+        self._padded = self._full = None  # (a gathered buffer of the old dtype: the next gather allocates)
+        self.param.__class__ = self.plain_class  # (the placeholder's dtype is what the model reports)
+        self.param.data = torch.empty(0, dtype=dtype, device=self.compute_device)
+        self.param.__class__ = self.guarded_class
+        self._publish()  # (ds_tensor is the new piece)
 
     # -- the piece ---------------------------------------------------------------------------------------
 
