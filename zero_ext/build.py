@@ -286,16 +286,21 @@ def _install_stage3(model: torch.nn.Module, cfg, device: torch.device, dtype, wo
         prefetch_bucket_size=zc.prefetch_bucket_size, max_live_parameters=zc.max_live_parameters,
         max_reuse_distance=zc.max_reuse_distance, log_trace_cache_warnings=zc.log_trace_cache_warnings,
         quantized_weights=zc.zero_quantized_weights, hpz=hpz, quantized_frozen=zc.zero_quantized_nontrainable_weights)
-    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
+    for zp in _zero_params_of(model):
         zp.sanity_checks = zc.enable_sanity_checks  # read-only GatheredParameters blocks checked (gathered.py)
         zp.gather_by_all_reduce = zc.use_all_reduce_for_fetch_params  # (zero/collectives.py)
     return zero_model
 
 
+def _zero_params_of(model: torch.nn.Module) -> List:
+    """The ZeroParams of the model's partitioned parameters, each once."""
+    return list({id(z): z for z in map(zero_param_of, model.parameters()) if z is not None}.values())
+
+
 def _recast_dtype_free(model: torch.nn.Module, want: torch.dtype) -> None:
     """Parameters built under a zero.Init that named no dtype (neither argument nor config) take the
     training dtype, as DeepSpeed's Init would have given them its own (fp16) and its engine the config's."""
-    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z is not None}.values():
+    for zp in _zero_params_of(model):
         if zp.recastable and zp.dtype.is_floating_point and zp.dtype != want:
             zp.recast(want)
 
@@ -531,7 +536,7 @@ def _open_nvme_pieces(model, cfg, plan: OffloadPlan, has_optimizer: bool) -> NVM
     if has_optimizer and (not plan.optimizer or plan.ratio < 1.0):
         raise ConfigError('zero_optimization.offload_param.device = "nvme" needs the optimizer offloaded whole: '
                           'set offload_optimizer.device to "cpu" or "nvme" (and ratio 1)')
-    zps = list({id(z): z for z in map(zero_param_of, model.parameters()) if z}.values())
+    zps = _zero_params_of(model)
     elem = next(iter(model.parameters())).element_size()
     # trained pieces twice: each sub-group's buffer has a spare file, so that a step is undone whole
     # when a write fails ([Note: NVMe step transaction], optim/nvme_step.py)
@@ -554,6 +559,6 @@ def _register_piece_group(pieces: NVMePieces, cfg, k: int, g) -> None:
 def _add_other_pieces(model, pieces: NVMePieces) -> None:
     """The pieces no sub-group holds (frozen; all of a forward-only engine), unless zero.Init put them
     on NVMe already."""
-    for zp in {id(z): z for z in map(zero_param_of, model.parameters()) if z}.values():
+    for zp in _zero_params_of(model):
         if zp.piece_io is None and not pieces.holds(zp):
             pieces.add_piece(("piece", zp.ds_id), zp)

@@ -123,25 +123,24 @@ class DomainReducers:
         for r, w in zip(self.reducers, self.worlds):
             r.reduce(w)
 
-    def after_step(self) -> None:
+    def _each(self, method: str, *args) -> None:
         for r in self.reducers:
-            r.after_step()
+            getattr(r, method)(*args)
+
+    def after_step(self) -> None:
+        self._each("after_step")
 
     def free_buffers(self) -> None:
-        for r in self.reducers:
-            r.free_buffers()
+        self._each("free_buffers")
 
     def remove_hooks(self) -> None:
-        for r in self.reducers:
-            r.remove_hooks()
+        self._each("remove_hooks")
 
     def begin_deferral(self) -> None:
-        for r in self.reducers:
-            r.begin_deferral()
+        self._each("begin_deferral")
 
     def end_deferral(self, flush: bool) -> None:
-        for r in self.reducers:
-            r.end_deferral(flush)
+        self._each("end_deferral", flush)
 
     def tensors(self):
         return [kt for r in self.reducers for kt in r.tensors()]
