@@ -1,6 +1,8 @@
 """The collective facade's one addition to torch.distributed: all_gather_into, with the list-form fallback
 for backends without all_gather_into_tensor, gives the same rank-major result either way (also when the
-input is a view of the output, as the engine passes it)."""
+input is a view of the output, as the engine passes it). Also: blocking calls stay on the caller's thread,
+the reduce-scatter fallbacks, and the registry of native communicators survives a group's finalizer
+firing inside its lock."""
 import torch
 
 from helpers.harness import run_ranks
@@ -146,3 +148,33 @@ def test_deepspeeds_reduce_scatter_fn_through_deepspeed_comm():
     for rank, (same, got) in enumerate(run_ranks(world, _reduce_scatter_fn)):
         assert same  # replacing deepspeed.comm.X replaces what zero_ext calls, as in DeepSpeed
         assert got == [sum(3 * rank + i + r for r in range(world)) for i in range(3)]
+
+
+def _group_freed_while_the_registry_is_locked():
+    """The collector runs a freed group's finalizer on whatever thread allocates, also on one inside
+    native.for_group's locked bootstrap (a pooled test run once hung there in initialize): that finalizer
+    takes the same lock. Here it fires on purpose with the lock held; (finished, communicator destroyed)."""
+    import gc
+    import threading
+
+    import torch.distributed as dist
+    from zero_ext.comm import native
+
+    box = [dist.new_group(list(range(dist.get_world_size())))]
+    communicator = native.for_group(box[0])
+    assert communicator is not None
+    finished = threading.Event()
+
+    def free_the_group():
+        with native._LOCK:
+            dist.destroy_process_group(box.pop())
+            gc.collect()
+        finished.set()
+
+    threading.Thread(target=free_the_group, daemon=True).start()
+    finished.wait(20)
+    return finished.is_set(), communicator.comm.destroyed
+
+
+def test_a_group_freed_inside_the_registrys_lock_does_not_deadlock():
+    assert run_ranks(2, _group_freed_while_the_registry_is_locked) == [(True, True)] * 2

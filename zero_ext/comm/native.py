@@ -305,7 +305,9 @@ class Native:
 
 _BY_GROUP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> Native | None
 _LIVE: List[Native] = []  # destroyed at exit (before the interpreter tears torch down)
-_LOCK = threading.Lock()
+# reentrant: a group's finalizer (_forget) takes it, and the collector may run that finalizer on this very
+# thread while it holds the lock (any allocation inside for_group), which a plain Lock deadlocks on
+_LOCK = threading.RLock()
 
 
 def host_id() -> str:

@@ -178,7 +178,9 @@ class Nccl:
 
 _BY_GROUP: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> {device index: Nccl | None}
 _LIVE: List[Nccl] = []
-_LOCK = threading.Lock()
+# reentrant: a group's finalizer (_forget) takes it, and the collector may run that finalizer on this very
+# thread while it holds the lock (any allocation inside for_group), which a plain Lock deadlocks on
+_LOCK = threading.RLock()
 
 
 def _bootstrap(group, ranks, device) -> Optional[Nccl]:
