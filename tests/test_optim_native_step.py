@@ -38,9 +38,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # optimizer kind -> (config section, the C class the engine must build, the C entry point it calls)
 KINDS = {
-    "adamw": ({"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "CPUAdam", "adam_step"),
+    # (Adam/AdamW without offload: DeepSpeed's class, FusedAdam, whose host kernel is CPUAdam's)
+    "adamw": ({"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}, "FusedAdam", "adam_step"),
     # DeepSpeed's "Adam" with adam_w_mode false: L2 decay added to the gradient (torch.optim.Adam)
-    "adam_l2": ({"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01, "adam_w_mode": False}}, "CPUAdam",
+    "adam_l2": ({"type": "Adam", "params": {"lr": LR, "weight_decay": 0.01, "adam_w_mode": False}}, "FusedAdam",
                 "adam_step"),
     "adagrad": ({"type": "Adagrad", "params": {"lr": LR, "weight_decay": 0.01}}, "CPUAdagrad", "adagrad_step"),
     "lion": ({"type": "Lion", "params": {"lr": LR, "weight_decay": 0.01, "betas": [0.9, 0.99]}}, "CPULion",

@@ -134,8 +134,7 @@ class EngineUsageError(RuntimeError, AssertionError):
 
 
 class InitializeArgumentError(ValueError, AssertionError):
-    """A bad argument to initialize (no model, an optimizer ZeRO does not allow, a scheduler over
-    another optimizer)."""
+    """A bad argument to initialize (no model, an optimizer ZeRO does not allow)."""
 
 
 def format_value(value: Any) -> str:

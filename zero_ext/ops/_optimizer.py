@@ -212,11 +212,17 @@ class CPUOptimizer(torch.optim.Optimizer):
             for step, batch in batches.items():
                 self._kernel(group, step, batch, float(grad_scale))
                 batch.finish()
-            for p, state, step, out in on_device:
-                self._device_update(group, step, p, p.grad, state, float(grad_scale))
-                if out is not None:
-                    out.copy_(p.detach().reshape(out.shape))
+            if on_device:
+                self._device_step(group, on_device, float(grad_scale))
         return loss
+
+    def _device_step(self, group, items, grad_scale):
+        """The parameters of ``group`` on an accelerator, ``items``: (param, state, step number, bf16/fp16
+        copy to write or None) each, one at a time with torch operations (device_math.py)."""
+        for p, state, step, out in items:
+            self._device_update(group, step, p, p.grad, state, grad_scale)
+            if out is not None:
+                out.copy_(p.detach().reshape(out.shape))
 
     @torch.no_grad()
     def step_slice(self, group: dict, param, grad, state: dict, step: int, out=None, grad_scale: float = 1.0):

@@ -1,14 +1,15 @@
 """The base optimizer: built from the config's ``optimizer`` section, or checked when it is the client's.
 
-:func:`build_optimizer` picks the implementation by where the tensors it steps live:
-- host tensors (optimizer offload, or a CPU run): the C optimizer of zero_ext.ops for Adam/AdamW
-  (CPUAdam), Adagrad (CPUAdagrad) and Lion (CPULion), as DeepSpeed builds its CPU ops with offload.
-  ``torch_adam: true`` keeps torch.optim.Adam(W) (DeepSpeed's key), and so does an Adagrad section that
-  gives a torch-only argument (lr_decay, initial_accumulator_value, ...) the kernel does not have.
-- accelerator tensors: torch.optim. Adam and AdamW follow DeepSpeed: type "Adam" decouples weight decay
-  (AdamW) unless ``adam_w_mode: false``. Other torch.optim names build that class with the given params;
-  Lion has only the C kernel, so it refuses accelerator tensors. With bf16 masters (bf16_master.py) Adam(W)
-  on CUDA is torch's fused kernel (fp32 math, as DeepSpeed's FusedAdam) unless the params pick one.
+:func:`build_optimizer` follows DeepSpeed's ``_configure_basic_optimizer``:
+- Adam / AdamW (type "Adam" decouples weight decay unless ``adam_w_mode: false``): without optimizer
+  offload, FusedAdam (ops/fused_adam.py: zero_ext's C kernel on host tensors, torch's fused kernel on
+  accelerator tensors); with offload, the C CPUAdam (DeepSpeedCPUAdam); ``torch_adam: true`` keeps
+  torch.optim.Adam(W), with bf16 masters (bf16_master.py) on CUDA its fused kernel (fp32 math, one
+  rounding) unless the params pick one.
+- others, by where the tensors they step live: on host tensors (optimizer offload, or a CPU run) the C
+  Adagrad (CPUAdagrad) and Lion (CPULion), unless an Adagrad section gives a torch-only argument
+  (lr_decay, initial_accumulator_value, ...) the kernel does not have; on accelerator tensors torch.optim
+  (other names build that class with the given params; Lion has only the C kernel, so it refuses them).
 :func:`check_client_optimizer` is DeepSpeed's rule for a client optimizer with offload
 (``zero_force_ds_cpu_optimizer``).
 """
@@ -22,6 +23,7 @@ from ..config.optim_params import ADAGRAD_TORCH_ONLY
 from ..ops._optimizer import CPUOptimizer
 from ..ops.adagrad import CPUAdagrad
 from ..ops.adam import CPUAdam
+from ..ops.fused_adam import FusedAdam
 from ..ops.lion import CPULion
 from ..ops.torch_stepped import TorchStepped
 
@@ -36,6 +38,8 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool
     the engine steps host copies of them (optimizer offload), wherever the parameters are; ``nvme``: the
     offload goes to NVMe, whose streamed step takes torch_adam's Adam(W) as TorchStepped; ``bf16_master``:
     it will step bf16 masters (optim/bf16_master.py)."""
+    if opt_cfg.is_adam and not offloaded and not opt_cfg.params_with_defaults().get("torch_adam"):
+        return _fused_adam(opt_cfg, param_groups)
     on_host = offloaded or all(p.device.type == "cpu" for g in param_groups for p in g["params"])
     base = _c_optimizer(opt_cfg, param_groups) if on_host else None
     if base is None:
@@ -43,6 +47,16 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool
         if nvme and type(base) in (torch.optim.Adam, torch.optim.AdamW):
             base = TorchStepped(base)
     return base
+
+
+def _fused_adam(opt_cfg, param_groups: List[Dict[str, Any]]) -> FusedAdam:
+    """DeepSpeed's choice for an Adam/AdamW section without offload: its FusedAdam (the C kernel on host
+    tensors, torch's fused kernel on accelerator tensors)."""
+    params = opt_cfg.params_with_defaults()
+    return FusedAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
+                     betas=tuple(params["betas"]), eps=params["eps"], adam_w_mode=opt_cfg.adam_w_mode,
+                     weight_decay=params["weight_decay"], set_grad_none=params["set_grad_none"],
+                     fp32_optimizer_states=params["fp32_optimizer_states"])
 
 
 def _c_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[CPUOptimizer]:

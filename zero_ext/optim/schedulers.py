@@ -18,8 +18,6 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..config.errors import InitializeArgumentError
-
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest",
            "DEEPSPEED_SCHEDULER_CLASSES", "build_scheduler", "configure_lr_scheduler"]
 
@@ -440,9 +438,11 @@ def configure_lr_scheduler(client_lr_scheduler: Any, sched_cfg: Any, optimizer: 
         stepped = getattr(client_lr_scheduler, "optimizer", None)
         if stepped is not None and all(stepped is not o for o in (basic_optimizer, optimizer,
                                                                   _torch_optimizer(optimizer))):
-            raise InitializeArgumentError(
+            # DeepSpeed takes it (its check looks only for an uninstantiated client optimizer): so do we, aloud
+            warnings.warn(
                 f"zero_ext.initialize: the lr_scheduler object schedules another optimizer "
-                f"({type(stepped).__name__}) than the one the engine steps; build it over the optimizer you pass to "
-                "initialize, or pass a callable taking the optimizer (lr_scheduler=lambda opt: ...)")
+                f"({type(stepped).__name__}) than the one the engine steps, so the learning rates it sets never "
+                "reach training; build it over the optimizer you pass to initialize, or pass a callable taking "
+                "the optimizer (lr_scheduler=lambda opt: ...)", UserWarning, stacklevel=3)
         return client_lr_scheduler
     return build_scheduler(sched_cfg, optimizer, total_num_steps)
