@@ -312,7 +312,7 @@ def test_build_info_and_which_ops_exist(ds, tmp_path):
 
     ops = ds.ops.__compatible_ops__
     assert ops[CPUAdamBuilder.NAME] and ops[AsyncIOBuilder.NAME] and CPUAdamBuilder().is_compatible()
-    assert ops[FusedAdamBuilder.NAME] and FusedAdamBuilder().is_compatible()  # torch's multi-tensor Adam
+    assert ops[FusedAdamBuilder.NAME] and FusedAdamBuilder().is_compatible()  # zero_ext's FusedAdam
     assert not ops[FusedLambBuilder.NAME] and not FusedLambBuilder().is_compatible()  # a CUDA kernel of DeepSpeed's
     with pytest.raises(RuntimeError, match="DeepSpeedCPUAdam"):
         CPUAdamBuilder().load()

@@ -10,7 +10,8 @@ set_num_threads() fixes them.
 
 Files:
 - adam.py, adagrad.py, lion.py: CPUAdam, CPUAdagrad, CPULion (and DeepSpeed's names for them).
-- fused_adam.py: FusedAdam, DeepSpeed's deepspeed.ops.adam.FusedAdam as torch's multi-tensor Adam(W).
+- fused_adam.py: FusedAdam, DeepSpeed's deepspeed.ops.adam.FusedAdam: the C Adam on host tensors, torch's
+  fused kernel on accelerator tensors.
 - _optimizer.py: CPUOptimizer, what the three share (state on host_buffers, the fused offloaded step).
 - functional.py: the C kernels as functions on lists of tensors; the thread and ISA controls.
 - device_math.py: the same updates with torch operations, for sub-groups kept on an accelerator.

@@ -3,7 +3,8 @@
 DeepSpeed compiles each op (CPU Adam, async I/O, fused kernels, ...) on demand with a builder class;
 scripts and tests ask ``deepspeed.ops.__compatible_ops__[Builder.NAME]`` or ``Builder().is_compatible()``
 before using one. zero_ext builds its ops once, into zero_ext._C: the CPU optimizers and the NVMe I/O are
-always there (compatible), and FusedAdam as torch's multi-tensor Adam; DeepSpeed's other CUDA kernels
+always there (compatible), and FusedAdam (the C Adam on host tensors, torch's fused kernel on accelerator
+tensors); DeepSpeed's other CUDA kernels
 never (not compatible). Nothing is compiled here:
 ``load()`` names the zero_ext class to use instead.
 """
@@ -46,7 +47,8 @@ CPUAdagradBuilder = _builder("CPUAdagradBuilder", "cpu_adagrad", "deepspeed.ops.
 CPULionBuilder = _builder("CPULionBuilder", "cpu_lion", "deepspeed.ops.lion.DeepSpeedCPULion")
 AsyncIOBuilder = _builder("AsyncIOBuilder", "async_io", "the aio config section / offload to nvme")
 FusedAdamBuilder = _builder("FusedAdamBuilder", "fused_adam",
-                            "deepspeed.ops.adam.FusedAdam (torch's multi-tensor Adam)")
+                            "deepspeed.ops.adam.FusedAdam (the C Adam on host tensors, torch's fused kernel on "
+                            "accelerator tensors)")
 FusedLambBuilder = _builder("FusedLambBuilder", "fused_lamb")
 FusedLionBuilder = _builder("FusedLionBuilder", "fused_lion")
 CPULambBuilder = _builder("CPULambBuilder", "cpu_lamb")
