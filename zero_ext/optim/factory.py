@@ -38,8 +38,8 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool
     the engine steps host copies of them (optimizer offload), wherever the parameters are; ``nvme``: the
     offload goes to NVMe, whose streamed step takes torch_adam's Adam(W) as TorchStepped; ``bf16_master``:
     it will step bf16 masters (optim/bf16_master.py)."""
-    if opt_cfg.is_adam and not offloaded and not opt_cfg.params_with_defaults().get("torch_adam"):
-        return _fused_adam(opt_cfg, param_groups)
+    if opt_cfg.is_adam and not opt_cfg.params_with_defaults().get("torch_adam"):
+        return _adam(opt_cfg, param_groups, offloaded)
     on_host = offloaded or all(p.device.type == "cpu" for g in param_groups for p in g["params"])
     base = _c_optimizer(opt_cfg, param_groups) if on_host else None
     if base is None:
@@ -49,26 +49,23 @@ def build_optimizer(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool
     return base
 
 
-def _fused_adam(opt_cfg, param_groups: List[Dict[str, Any]]) -> FusedAdam:
-    """DeepSpeed's choice for an Adam/AdamW section without offload: its FusedAdam (the C kernel on host
-    tensors, torch's fused kernel on accelerator tensors)."""
+def _adam(opt_cfg, param_groups: List[Dict[str, Any]], offloaded: bool) -> CPUAdam:
+    """DeepSpeed's choice for an Adam/AdamW section without torch_adam: with optimizer offload its CPU Adam
+    (CPUAdam), else its FusedAdam (the same C kernel on host tensors, torch's fused kernel on accelerator
+    tensors)."""
     params = opt_cfg.params_with_defaults()
-    return FusedAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
-                     betas=tuple(params["betas"]), eps=params["eps"], adam_w_mode=opt_cfg.adam_w_mode,
-                     weight_decay=params["weight_decay"], set_grad_none=params["set_grad_none"],
-                     fp32_optimizer_states=params["fp32_optimizer_states"])
+    shared = dict(lr=params["lr"], bias_correction=params["bias_correction"], betas=tuple(params["betas"]),
+                  eps=params["eps"], weight_decay=params["weight_decay"],
+                  fp32_optimizer_states=params["fp32_optimizer_states"])
+    if offloaded:
+        return CPUAdam(param_groups, adamw_mode=opt_cfg.adam_w_mode, **shared)
+    return FusedAdam(param_groups, adam_w_mode=opt_cfg.adam_w_mode, set_grad_none=params["set_grad_none"], **shared)
 
 
 def _c_optimizer(opt_cfg, param_groups: List[Dict[str, Any]]) -> Optional[CPUOptimizer]:
-    """zero_ext's C optimizer for the section, or None when the section asks for torch's (``torch_adam``,
-    a torch-only Adagrad argument, another torch.optim class)."""
+    """zero_ext's C optimizer for a section other than Adam/AdamW (those: _adam), or None when it asks for
+    torch's (a torch-only Adagrad argument, another torch.optim class)."""
     params = opt_cfg.params_with_defaults()
-    if opt_cfg.is_adam:
-        if params.get("torch_adam"):
-            return None
-        return CPUAdam(param_groups, lr=params["lr"], bias_correction=params["bias_correction"],
-                       betas=tuple(params["betas"]), eps=params["eps"], weight_decay=params["weight_decay"],
-                       adamw_mode=opt_cfg.adam_w_mode, fp32_optimizer_states=params["fp32_optimizer_states"])
     if opt_cfg.type == "adagrad":
         if any(k in params for k in ADAGRAD_TORCH_ONLY):
             return None
